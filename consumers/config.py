@@ -1,0 +1,49 @@
+"""Configuration of the trainer role."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from topics.errors import ConfigError
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The training loop: loss, optimizer, schedule, checkpoints, publication of versions."""
+
+    mode: str = "rl"  # "rl" (batches topic) | "sft" (sft topic)
+    loss: str = "grpo"  # name registered in consumers.losses
+    loss_args: dict[str, Any] = field(default_factory=dict)  # TRL names: epsilon, epsilon_high, beta, delta...
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # "constant" | "cosine" | "linear"
+    grad_clip: float = 1.0
+    max_steps: int = 0  # 0 = run as long as batches arrive
+    reward_target: float = 0.0  # >0: stop when the running mean reward reaches it
+    publish_every: int = 1  # publish a PolicyVersion every k steps
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    world_size: int = 1  # ranks (torchrun or spawned); gloo on CPU, nccl on GPU
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("rl", "sft"):
+            raise ConfigError("trainer.mode", "must be 'rl' or 'sft'")
+        if self.lr <= 0:
+            raise ConfigError("trainer.lr", "must be positive")
+        if self.max_steps < 0:
+            raise ConfigError("trainer.max_steps", "must be >= 0")
+        if self.publish_every < 1:
+            raise ConfigError("trainer.publish_every", "must be at least 1")
+        if self.checkpoint_every < 1:
+            raise ConfigError("trainer.checkpoint_every", "must be at least 1")
+        if self.world_size < 1:
+            raise ConfigError("trainer.world_size", "must be at least 1")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("trainer.dtype", "must be 'float32' or 'bfloat16'")
+        if self.lr_schedule not in ("constant", "cosine", "linear"):
+            raise ConfigError("trainer.lr_schedule", "must be 'constant', 'cosine' or 'linear'")

@@ -1,0 +1,152 @@
+"""The one lifecycle every role and client shares, and the process runner with two-stage signals.
+
+``Service``: ``start()`` and ``stop()`` are idempotent, ``async with`` starts and stops, and ``serve(stop)``
+supervises the service's long-running loops: it returns when ``stop`` is set (after ``drain()`` and at most
+``drain_timeout_s``), and raises ``RoleCrashed`` as soon as any loop returns or raises while not stopping: a
+crashed loop stops the role with a clear message, it never leaves the process hanging.
+
+``run_service(service)`` is what ``streamforge run <role>`` calls: uvloop event loop; the first SIGINT/SIGTERM
+drains gracefully (bounded by ``drain_timeout_s``), the second forces exit (code 130); a crashed loop exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from topics.errors import RoleCrashed
+
+log = logging.getLogger("streamforge.lifecycle")
+
+EXIT_OK = 0
+EXIT_CRASHED = 1
+EXIT_FORCED = 130
+
+
+class Service:
+    """Base class: subclasses implement ``_start``, ``_stop``, ``loops`` and optionally ``drain``."""
+
+    name: str = "service"
+    drain_timeout_s: float = 20.0
+
+    def __init__(self) -> None:
+        self._started = False
+        self._stopped = False
+        self._stopping = asyncio.Event()
+
+    # -- overridables -------------------------------------------------------------------------
+    async def _start(self) -> None:
+        """Connect clients, create resources."""
+
+    async def _stop(self) -> None:
+        """Flush and close clients. Called once, after the loops ended."""
+
+    def loops(self) -> dict[str, Coroutine[Any, Any, None]]:
+        """The long-running loops to supervise, by name. A loop that returns before ``stop`` is a crash."""
+        return {}
+
+    async def drain(self) -> None:
+        """Called on graceful stop before loops are cancelled: stop taking input, finish what is in flight."""
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self._start()
+
+    async def stop(self) -> None:
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        self._stopping.set()
+        await self._stop()
+
+    async def __aenter__(self) -> Service:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        """Start, run every loop supervised until ``stop`` is set or a loop ends, then drain and stop."""
+        stop = stop or asyncio.Event()
+        await self.start()
+        tasks = {asyncio.ensure_future(coro): name for name, coro in self.loops().items()}
+        stopper = asyncio.ensure_future(stop.wait())
+        crash: RoleCrashed | None = None
+        try:
+            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is stopper:
+                    continue
+                exc = task.exception() if not task.cancelled() else asyncio.CancelledError()
+                crash = RoleCrashed(self.name, tasks[task], exc)
+                log.error("%s", crash)
+                break
+            self._stopping.set()
+            if crash is None:
+                try:
+                    await asyncio.wait_for(self.drain(), self.drain_timeout_s)
+                except asyncio.TimeoutError:
+                    log.warning("%s: drain did not finish within %.1f s", self.name, self.drain_timeout_s)
+        finally:
+            stopper.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.stop()
+        if crash is not None:
+            raise crash
+
+
+def install_uvloop() -> None:
+    """Every role process runs on uvloop's event loop."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_service(service: Service, *, use_uvloop: bool = True) -> int:
+    """Run a service as this process's main job; returns the process exit code."""
+    if use_uvloop:
+        install_uvloop()
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        signals = 0
+
+        def on_signal(signum: int) -> None:
+            nonlocal signals
+            signals += 1
+            if signals == 1:
+                log.warning("%s: %s received, draining (again to force)", service.name, signal.Signals(signum).name)
+                stop.set()
+            else:
+                log.error("%s: second signal, forcing exit", service.name)
+                sys.stderr.flush()
+                os._exit(EXIT_FORCED)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            await service.serve(stop)
+        except RoleCrashed as exc:
+            print(f"streamforge: {exc}", file=sys.stderr)
+            return EXIT_CRASHED
+        return EXIT_OK
+
+    return asyncio.run(main())

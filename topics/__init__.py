@@ -1,0 +1,1 @@
+"""The wire contract: schemas, codec, topic and subject names, broker clients."""

@@ -1,0 +1,96 @@
+"""Configuration of the broker clients and of topic creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topics.errors import ConfigError
+
+_SECURITY = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+_COMPRESSION = ("none", "gzip", "lz4", "zstd", "snappy")
+
+
+@dataclass(kw_only=True, slots=True)
+class KafkaConfig:
+    """How every role reaches Kafka (Tansu embedded, or a real cluster). Env: ``STREAMFORGE_KAFKA_BOOTSTRAP``."""
+
+    bootstrap: str = ""  # host:port[,host:port]; empty = the embedded broker that `up` or a test provides
+    client_id: str = "streamforge"
+    acks: str = "all"  # "0" | "1" | "all"
+    compression: str = "lz4"
+    linger_ms: int = 5
+    max_message_bytes: int = 16 * 1024 * 1024
+    request_timeout_ms: int = 30_000
+    session_timeout_ms: int = 30_000
+    heartbeat_interval_ms: int = 3_000
+    max_poll_interval_ms: int = 600_000
+    connect_retries: int = 10  # attempts to reach a broker that comes up late
+    retry_backoff_s: float = 0.5  # first backoff; doubles up to 8 s
+    security_protocol: str = "PLAINTEXT"
+    sasl_mechanism: str = ""  # PLAIN | SCRAM-SHA-256 | SCRAM-SHA-512
+    sasl_username: str = ""
+    sasl_password_env: str = "STREAMFORGE_KAFKA_PASSWORD"  # secrets come from the environment, never the file
+    ssl_cafile: str = ""
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+
+    def __post_init__(self) -> None:
+        if self.acks not in ("0", "1", "all"):
+            raise ConfigError("kafka.acks", f"must be '0', '1' or 'all', not {self.acks!r}")
+        if self.compression not in _COMPRESSION:
+            raise ConfigError("kafka.compression", f"must be one of {_COMPRESSION}")
+        if self.security_protocol not in _SECURITY:
+            raise ConfigError("kafka.security_protocol", f"must be one of {_SECURITY}")
+        if self.max_message_bytes < 1024:
+            raise ConfigError("kafka.max_message_bytes", "must be at least 1024")
+        for part in filter(None, self.bootstrap.split(",")):
+            host, _, port = part.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError("kafka.bootstrap", f"{part!r} is not host:port")
+
+
+@dataclass(kw_only=True, slots=True)
+class NatsConfig:
+    """How every role reaches NATS (JetStream enabled). Env: ``STREAMFORGE_NATS_URL``."""
+
+    url: str = ""  # nats://host:port[,nats://...]; empty = the embedded server
+    token_env: str = "STREAMFORGE_NATS_TOKEN"
+    user: str = ""
+    password_env: str = "STREAMFORGE_NATS_PASSWORD"
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    connect_timeout_s: float = 5.0
+    connect_retries: int = 10
+    request_timeout_s: float = 5.0
+    kv_history: int = 16
+
+    def __post_init__(self) -> None:
+        for part in filter(None, self.url.split(",")):
+            if not part.startswith(("nats://", "tls://", "ws://", "wss://")):
+                raise ConfigError("nats.url", f"{part!r} must start with nats:// or tls://")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError("nats.connect_timeout_s", "must be positive")
+
+
+@dataclass(kw_only=True, slots=True)
+class TopicsConfig:
+    """Topic creation: partitions per topic. Never rely on broker auto-creation."""
+
+    prompts_partitions: int = 4
+    episodes_partitions: int = 4
+    batches_partitions: int = 1
+    sft_partitions: int = 1
+    dead_letter_partitions: int = 1
+    replication_factor: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_partitions", "episodes_partitions", "batches_partitions", "sft_partitions",
+                     "dead_letter_partitions", "replication_factor"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"topics.{name}", "must be at least 1")
+
+    def partitions(self, suffix: str) -> int:
+        return {"prompts": self.prompts_partitions, "episodes": self.episodes_partitions,
+                "batches": self.batches_partitions, "sft": self.sft_partitions,
+                "dead-letter": self.dead_letter_partitions}[suffix]

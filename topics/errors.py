@@ -1,0 +1,121 @@
+"""Typed errors shared by every role.
+
+Callers decide from data, not strings: every error carries a ``retriable`` flag
+(try the same thing again later) and the fields that explain it.
+"""
+
+from __future__ import annotations
+
+
+class StreamforgeError(Exception):
+    """Base of every streamforge error. ``retriable`` says whether retrying may succeed."""
+
+    retriable: bool = False
+
+    def __init__(self, message: str, *, retriable: bool | None = None) -> None:
+        super().__init__(message)
+        if retriable is not None:
+            self.retriable = retriable
+
+
+# --- the wire -------------------------------------------------------------
+
+
+class CodecError(StreamforgeError):
+    """A message could not be encoded or decoded. Never retriable: the bytes will not change."""
+
+    retriable = False
+    reason = "malformed"
+
+
+class MalformedMessage(CodecError):
+    """Bytes that are not a valid message: not msgpack, truncated, wrong field types or shapes."""
+
+    reason = "malformed"
+
+
+class UnknownSchema(CodecError):
+    """The message names a schema, or a version of it, that this build does not know."""
+
+    reason = "unknown_schema"
+
+    def __init__(self, schema: object, version: object) -> None:
+        super().__init__(f"unknown schema {schema!r} version {version!r}")
+        self.schema = schema
+        self.version = version
+
+
+class MessageTooLarge(CodecError):
+    """The message is larger than the configured maximum."""
+
+    reason = "oversized"
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"message of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class InvalidMessage(CodecError):
+    """A well-formed message whose content breaks a rule (NaN reward, mismatched lengths)."""
+
+    reason = "invalid"
+
+
+# --- brokers and configuration ---------------------------------------------
+
+
+class BrokerUnavailable(StreamforgeError):
+    """A broker could not be reached (yet). Retriable: brokers come up late."""
+
+    retriable = True
+
+    def __init__(self, kind: str, address: str, detail: str = "") -> None:
+        msg = f"{kind} broker at {address} is unreachable"
+        super().__init__(f"{msg}: {detail}" if detail else msg)
+        self.kind = kind
+        self.address = address
+
+
+class BrokerError(StreamforgeError):
+    """A broker answered with an error."""
+
+
+class StaleWriter(StreamforgeError):
+    """A compare-and-set write lost: somebody else wrote a newer value first."""
+
+    retriable = False
+
+    def __init__(self, key: str, expected_revision: int | None) -> None:
+        super().__init__(f"stale write to {key!r} (expected revision {expected_revision})")
+        self.key = key
+        self.expected_revision = expected_revision
+
+
+class ConfigError(StreamforgeError):
+    """Bad configuration; names the offending key."""
+
+    retriable = False
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config key {key!r}: {message}")
+        self.key = key
+
+
+class RoleCrashed(StreamforgeError):
+    """A supervised loop of a role ended unexpectedly."""
+
+    retriable = False
+
+    def __init__(self, role: str, loop: str, cause: BaseException | None) -> None:
+        detail = f"{type(cause).__name__}: {cause}" if cause else "returned"
+        super().__init__(f"role {role!r}: loop {loop!r} stopped unexpectedly ({detail})")
+        self.role = role
+        self.loop = loop
+        self.cause = cause
+
+
+class TimeoutExpired(StreamforgeError):
+    """A bounded wait ran out (collective, request, drain)."""
+
+    retriable = True

@@ -1,0 +1,133 @@
+"""Every Kafka topic, NATS subject and KV bucket name, in one place.
+
+All names carry the run's prefix so several runs can share brokers: topic ``{prefix}.episodes``, subject
+``{prefix}.policy.version``, KV bucket ``{prefix}_policy`` (bucket names allow no dots). The README's topic
+table is generated from ``CATALOG`` and a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def valid_prefix(prefix: str) -> bool:
+    return bool(_PREFIX_RE.match(prefix))
+
+
+@dataclass(frozen=True, slots=True)
+class Channel:
+    """One row of the topic table."""
+
+    kind: str  # "kafka" | "nats" | "kv"
+    suffix: str
+    producers: str
+    consumers: str
+    key: str
+    schema: str
+    config_key: str
+
+
+CATALOG: tuple[Channel, ...] = (
+    Channel("kafka", "prompts", "feeder", "generator (group `{prefix}.generators`)", "prompt_id",
+            "Prompt", "topics.prompts_partitions"),
+    Channel("kafka", "episodes", "generator", "buffer (group `{prefix}.buffers`), audit", "group_id",
+            "Episode", "topics.episodes_partitions"),
+    Channel("kafka", "batches", "buffer", "trainer (group `{prefix}.trainers`), audit", "batch_id",
+            "Batch", "topics.batches_partitions"),
+    Channel("kafka", "sft", "feeder (SFT mode)", "trainer (SFT mode)", "example_id",
+            "SFTExample", "topics.sft_partitions"),
+    Channel("kafka", "dead-letter", "every role", "audit, `streamforge tail`", "source topic",
+            "DeadLetter", "topics.dead_letter_partitions"),
+    Channel("nats", "policy.version", "trainer", "generator, buffer", "-", "PolicyVersion", "nats.url"),
+    Channel("nats", "generators.membership", "generator", "trainer, status", "-", "Membership", "nats.url"),
+    Channel("nats", "generators.ack", "generator", "trainer, status", "-", "VersionAck", "nats.url"),
+    Channel("kv", "policy", "trainer", "generator, buffer, status", "`latest`", "PolicyVersion", "nats.url"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Names:
+    """The concrete names for one run prefix."""
+
+    prefix: str = "sf"
+
+    def __post_init__(self) -> None:
+        if not valid_prefix(self.prefix):
+            raise ValueError(f"run prefix {self.prefix!r} must match {_PREFIX_RE.pattern}")
+
+    # Kafka topics
+    @property
+    def prompts(self) -> str:
+        return f"{self.prefix}.prompts"
+
+    @property
+    def episodes(self) -> str:
+        return f"{self.prefix}.episodes"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}.batches"
+
+    @property
+    def sft(self) -> str:
+        return f"{self.prefix}.sft"
+
+    @property
+    def dead_letter(self) -> str:
+        return f"{self.prefix}.dead-letter"
+
+    # Kafka consumer groups
+    @property
+    def generators_group(self) -> str:
+        return f"{self.prefix}.generators"
+
+    @property
+    def buffers_group(self) -> str:
+        return f"{self.prefix}.buffers"
+
+    @property
+    def trainers_group(self) -> str:
+        return f"{self.prefix}.trainers"
+
+    # NATS subjects and KV
+    @property
+    def policy_subject(self) -> str:
+        return f"{self.prefix}.policy.version"
+
+    @property
+    def membership_subject(self) -> str:
+        return f"{self.prefix}.generators.membership"
+
+    @property
+    def ack_subject(self) -> str:
+        return f"{self.prefix}.generators.ack"
+
+    @property
+    def policy_bucket(self) -> str:
+        return f"{self.prefix}_policy"
+
+    LATEST_KEY = "latest"
+
+    def topics(self) -> list[str]:
+        return [self.prompts, self.episodes, self.batches, self.sft, self.dead_letter]
+
+    def resolve(self, channel: Channel) -> str:
+        if channel.kind == "kv":
+            return self.policy_bucket
+        return f"{self.prefix}.{channel.suffix}"
+
+
+def topic_table_markdown(prefix: str = "{prefix}") -> str:
+    """The README table of every topic, subject and bucket."""
+    rows = ["| kind | name | producer | consumer | key | schema | config key |", "|---|---|---|---|---|---|---|"]
+    for c in CATALOG:
+        name = f"{prefix}_policy" if c.kind == "kv" else f"{prefix}.{c.suffix}"
+        kind = {"kafka": "Kafka topic", "nats": "NATS subject", "kv": "JetStream KV bucket"}[c.kind]
+        rows.append(
+            f"| {kind} | `{name}` | {c.producers} | {c.consumers.replace('{prefix}', prefix)} | {c.key} "
+            f"| `{c.schema}` | `{c.config_key}` |"
+        )
+    return "\n".join(rows)

@@ -1,0 +1,226 @@
+"""Every message that crosses a broker, as versioned dataclasses.
+
+Wire layout (see ``topics/codec.py``): a msgpack map ``{"schema": NAME, "v": VERSION, <field>: <value>...}``.
+Tensor fields are numpy arrays on the Python side and the map ``{"dtype": "int32", "shape": [..], "data":
+<bin>}`` on the wire (little-endian, C order), so any msgpack reader can decode them.
+
+Conventions shared by producers, buffer and trainer:
+
+* Token positions in a ``Batch`` row are ``prompt + response`` padded on the right. ``old_logprobs[b, t]`` is the
+  behaviour log-probability of ``input_ids[b, t]`` given ``input_ids[b, :t]``; ``loss_mask[b, t]`` is 1 exactly at
+  response tokens. A trainer computes ``logits[:, :-1]`` against ``input_ids[:, 1:]`` and aligns with ``[:, 1:]``.
+* ``token_versions`` hold the policy version that sampled each response token (a swap mid-sequence shows as a
+  change inside one episode); ``-1`` marks prompt and padding positions in a Batch.
+* Ids are strings. ``episode_id`` is deterministic: ``f"{group_id}/{index}"``, so a prompt regenerated after a
+  crash yields the same ids and the buffer deduplicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from topics.errors import InvalidMessage
+
+
+def tensor(dtype: str, ndim: int, *, default: bool = False) -> Any:
+    """A numpy-array field of a fixed dtype and rank (``default`` gives an empty array)."""
+    meta = {"tensor": (dtype, ndim)}
+    if default:
+        shape = (0,) * ndim
+        return field(default_factory=lambda: np.zeros(shape, dtype=dtype), metadata=meta)
+    return field(metadata=meta)
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(kw_only=True, slots=True)
+class Prompt:
+    """One task instance to roll out: text (or token ids), the target to score against, and task metadata."""
+
+    SCHEMA: ClassVar[str] = "prompt"
+    VERSION: ClassVar[int] = 1
+
+    prompt_id: str
+    task: str
+    text: str = ""
+    token_ids: np.ndarray = tensor("int32", 1, default=True)
+    answer: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
+class Episode:
+    """One sampled response to one prompt, scored; ``group_size`` episodes share a ``group_id`` (a GRPO group)."""
+
+    SCHEMA: ClassVar[str] = "episode"
+    VERSION: ClassVar[int] = 1
+
+    episode_id: str
+    group_id: str
+    group_size: int
+    prompt_id: str
+    task: str = ""
+    prompt_tokens: np.ndarray = tensor("int32", 1)
+    response_tokens: np.ndarray = tensor("int32", 1)
+    logprobs: np.ndarray = tensor("float32", 1)  # behaviour logprob of each response token
+    token_versions: np.ndarray = tensor("int32", 1)  # policy version that sampled each response token
+    policy_version: int = 0  # version at the first response token
+    reward: float = 0.0
+    reward_components: dict[str, float] = field(default_factory=dict)
+    finish_reason: str = ""
+    generator_id: str = ""
+    prompt_text: str = ""
+    response_text: str = ""
+    timings: dict[str, float] = field(default_factory=dict)  # e.g. queued_s, generate_s, reward_s
+    created_at: float = field(default_factory=_now)
+
+    def validate(self) -> None:
+        n = len(self.response_tokens)
+        if len(self.logprobs) != n or len(self.token_versions) != n:
+            raise InvalidMessage(
+                f"episode {self.episode_id}: response_tokens ({n}), logprobs ({len(self.logprobs)}) and "
+                f"token_versions ({len(self.token_versions)}) differ in length"
+            )
+        if not math.isfinite(self.reward):
+            raise InvalidMessage(f"episode {self.episode_id}: reward is not finite ({self.reward})")
+        if self.group_size < 1:
+            raise InvalidMessage(f"episode {self.episode_id}: group_size {self.group_size} < 1")
+
+    @property
+    def min_version(self) -> int:
+        """The oldest policy version among the response tokens (the episode's staleness is measured from it)."""
+        return int(self.token_versions.min()) if len(self.token_versions) else self.policy_version
+
+
+@dataclass(kw_only=True, slots=True)
+class Batch:
+    """A training batch of whole GRPO groups; ``batch_id`` is a hash of the sorted episode ids."""
+
+    SCHEMA: ClassVar[str] = "batch"
+    VERSION: ClassVar[int] = 1
+
+    batch_id: str
+    episode_ids: list[str]
+    group_ids: list[str]
+    input_ids: np.ndarray = tensor("int32", 2)  # [B, T] prompt + response, right-padded
+    loss_mask: np.ndarray = tensor("uint8", 2)  # [B, T] 1 at response tokens
+    old_logprobs: np.ndarray = tensor("float32", 2)  # [B, T] behaviour logprobs, 0 off the mask
+    token_versions: np.ndarray = tensor("int32", 2)  # [B, T] policy version per token, -1 off the mask
+    advantages: np.ndarray = tensor("float32", 1)  # [B]
+    rewards: np.ndarray = tensor("float32", 1)  # [B]
+    prompt_lens: np.ndarray = tensor("int32", 1)  # [B]
+    seq_lens: np.ndarray = tensor("int32", 1)  # [B]
+    pad_token_id: int = 0
+    buffer_id: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+    created_at: float = field(default_factory=_now)
+
+    def validate(self) -> None:
+        b = len(self.episode_ids)
+        if self.input_ids.shape[0] != b:
+            raise InvalidMessage(f"batch {self.batch_id}: {b} episode ids but {self.input_ids.shape[0]} rows")
+        for name in ("loss_mask", "old_logprobs", "token_versions"):
+            if getattr(self, name).shape != self.input_ids.shape:
+                raise InvalidMessage(f"batch {self.batch_id}: {name} shape differs from input_ids")
+        for name in ("advantages", "rewards", "prompt_lens", "seq_lens"):
+            if getattr(self, name).shape != (b,):
+                raise InvalidMessage(f"batch {self.batch_id}: {name} must have shape [{b}]")
+        if not np.isfinite(self.advantages).all():
+            raise InvalidMessage(f"batch {self.batch_id}: advantages are not finite")
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyVersion:
+    """A new policy: which version, from which step, and how a generator fetches its weights."""
+
+    SCHEMA: ClassVar[str] = "policy_version"
+    VERSION: ClassVar[int] = 1
+
+    version: int
+    step: int
+    transport: str = "none"  # "nccl" | "gloo" | "file" | "none" (initial weights from the model path)
+    path: str = ""  # HF dir or safetensors file for the "file" transport and for late joiners
+    address: str = ""  # host:port of the trainer's weight-transfer rendezvous, for collective transports
+    trainer_id: str = ""
+    batch_ids: list[str] = field(default_factory=list)  # provenance: the batches trained into this version
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
+class VersionAck:
+    """A generator's report that it adopted (or failed to adopt) a policy version."""
+
+    SCHEMA: ClassVar[str] = "version_ack"
+    VERSION: ClassVar[int] = 1
+
+    generator_id: str
+    version: int
+    ok: bool = True
+    pause_ms: float = 0.0
+    transfer_ms: float = 0.0
+    error: str = ""
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
+class Membership:
+    """A generator joining, beating or leaving (NATS membership subject)."""
+
+    SCHEMA: ClassVar[str] = "membership"
+    VERSION: ClassVar[int] = 1
+
+    generator_id: str
+    event: str  # "join" | "heartbeat" | "leave"
+    version: int = -1
+    host: str = ""
+    pid: int = 0
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTExample:
+    """A prompt/completion pair for supervised fine-tuning (loss on completion tokens only)."""
+
+    SCHEMA: ClassVar[str] = "sft_example"
+    VERSION: ClassVar[int] = 1
+
+    example_id: str
+    prompt: str
+    completion: str
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
+class DeadLetter:
+    """Whatever could not be handled: the raw bytes, where they came from and why."""
+
+    SCHEMA: ClassVar[str] = "dead_letter"
+    VERSION: ClassVar[int] = 1
+
+    source: str  # topic or subject
+    reason: str  # short machine-readable reason: malformed, unknown_schema, oversized, invalid, reward_error...
+    detail: str = ""
+    partition: int = -1
+    offset: int = -1
+    key: bytes = b""
+    value: bytes = b""
+    role: str = ""
+    created_at: float = field(default_factory=_now)
+
+
+ALL_SCHEMAS: tuple[type, ...] = (
+    Prompt, Episode, Batch, PolicyVersion, VersionAck, Membership, SFTExample, DeadLetter,
+)
+
+
+def fields_of(cls: type) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(cls)
