@@ -81,16 +81,17 @@ class TopicsConfig:
     episodes_partitions: int = 4
     batches_partitions: int = 1
     sft_partitions: int = 1
+    drops_partitions: int = 1
     dead_letter_partitions: int = 1
     replication_factor: int = 1
 
     def __post_init__(self) -> None:
         for name in ("prompts_partitions", "episodes_partitions", "batches_partitions", "sft_partitions",
-                     "dead_letter_partitions", "replication_factor"):
+                     "drops_partitions", "dead_letter_partitions", "replication_factor"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"topics.{name}", "must be at least 1")
 
     def partitions(self, suffix: str) -> int:
         return {"prompts": self.prompts_partitions, "episodes": self.episodes_partitions,
-                "batches": self.batches_partitions, "sft": self.sft_partitions,
+                "batches": self.batches_partitions, "sft": self.sft_partitions, "drops": self.drops_partitions,
                 "dead-letter": self.dead_letter_partitions}[suffix]

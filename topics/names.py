@@ -39,6 +39,7 @@ CATALOG: tuple[Channel, ...] = (
             "Batch", "topics.batches_partitions"),
     Channel("kafka", "sft", "feeder (SFT mode)", "trainer (SFT mode)", "example_id",
             "SFTExample", "topics.sft_partitions"),
+    Channel("kafka", "drops", "buffer", "audit", "group_id", "DropRecord", "topics.drops_partitions"),
     Channel("kafka", "dead-letter", "every role", "audit, `streamforge tail`", "source topic",
             "DeadLetter", "topics.dead_letter_partitions"),
     Channel("nats", "policy.version", "trainer", "generator, buffer", "-", "PolicyVersion", "nats.url"),
@@ -74,6 +75,10 @@ class Names:
     @property
     def sft(self) -> str:
         return f"{self.prefix}.sft"
+
+    @property
+    def drops(self) -> str:
+        return f"{self.prefix}.drops"
 
     @property
     def dead_letter(self) -> str:
@@ -112,7 +117,7 @@ class Names:
     LATEST_KEY = "latest"
 
     def topics(self) -> list[str]:
-        return [self.prompts, self.episodes, self.batches, self.sft, self.dead_letter]
+        return [self.prompts, self.episodes, self.batches, self.sft, self.drops, self.dead_letter]
 
     def resolve(self, channel: Channel) -> str:
         if channel.kind == "kv":

@@ -200,6 +200,21 @@ class SFTExample:
 
 
 @dataclass(kw_only=True, slots=True)
+class DropRecord:
+    """The buffer's durable decision to drop episodes (stale, zero_variance, overlong, duplicate, incomplete)."""
+
+    SCHEMA: ClassVar[str] = "drop_record"
+    VERSION: ClassVar[int] = 1
+
+    episode_ids: list[str]
+    reason: str
+    group_id: str = ""
+    detail: str = ""
+    buffer_id: str = ""
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
 class DeadLetter:
     """Whatever could not be handled: the raw bytes, where they came from and why."""
 
@@ -218,7 +233,7 @@ class DeadLetter:
 
 
 ALL_SCHEMAS: tuple[type, ...] = (
-    Prompt, Episode, Batch, PolicyVersion, VersionAck, Membership, SFTExample, DeadLetter,
+    Prompt, Episode, Batch, PolicyVersion, VersionAck, Membership, SFTExample, DropRecord, DeadLetter,
 )
 
 
