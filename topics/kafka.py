@@ -1,0 +1,344 @@
+"""Kafka clients with streamforge's lifecycle: ``Producer``, ``Consumer``, ``DeadLetters``.
+
+* Same lifecycle everywhere: ``start()``/``stop()`` idempotent, ``async with``; ``stop()`` drains (a producer
+  flushes what it has accepted before closing).
+* Values are schema messages encoded by ``topics.codec``; the W3C trace context of the sending span travels in
+  the record headers and comes back as ``Received.context``.
+* Delivery is at-least-once: ``send`` returns only after the broker acknowledged the record; consumers never
+  auto-commit: callers commit explicitly the offsets they finished (``commit({tp: next_offset})``).
+* Works on Tansu (the embedded broker) and on Apache Kafka: no idempotent producer, no transactions, and
+  ``highwater()`` rather than ``end_offsets()`` (Tansu gets the latter wrong).
+* A broker that comes up late is retried with exponential backoff (``kafka.connect_retries``); then
+  ``BrokerUnavailable`` (retriable) names the address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.abc import ConsumerRebalanceListener
+from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.helpers import create_ssl_context
+from opentelemetry import context as otel_context
+
+from topics import codec
+from topics.config import KafkaConfig
+from topics.errors import BrokerError, BrokerUnavailable, CodecError
+from topics.names import Names
+from topics.schemas import DeadLetter
+from topics.tracing import context_from_kafka, kafka_headers
+
+log = logging.getLogger("streamforge.kafka")
+
+__all__ = ["Producer", "Consumer", "Received", "DeadLetters", "TopicPartition", "client_kwargs"]
+
+
+def client_kwargs(cfg: KafkaConfig, *, client_id: str = "") -> dict[str, Any]:
+    """aiokafka keyword arguments shared by producers, consumers and admin clients (security included)."""
+    if not cfg.bootstrap:
+        raise BrokerUnavailable("kafka", "<unset>", "kafka.bootstrap is empty (set STREAMFORGE_KAFKA_BOOTSTRAP)")
+    kw: dict[str, Any] = {
+        "bootstrap_servers": cfg.bootstrap,
+        "client_id": client_id or cfg.client_id,
+        "request_timeout_ms": cfg.request_timeout_ms,
+        "security_protocol": cfg.security_protocol,
+    }
+    if cfg.security_protocol in ("SSL", "SASL_SSL"):
+        kw["ssl_context"] = create_ssl_context(
+            cafile=cfg.ssl_cafile or None, certfile=cfg.ssl_certfile or None, keyfile=cfg.ssl_keyfile or None
+        )
+    if cfg.security_protocol.startswith("SASL"):
+        kw["sasl_mechanism"] = cfg.sasl_mechanism or "PLAIN"
+        kw["sasl_plain_username"] = cfg.sasl_username
+        kw["sasl_plain_password"] = os.environ.get(cfg.sasl_password_env, "")
+    return kw
+
+
+async def _start_with_retries(client: Any, cfg: KafkaConfig, what: str) -> None:
+    delay = cfg.retry_backoff_s
+    for attempt in range(1, cfg.connect_retries + 1):
+        try:
+            await client.start()
+            return
+        except KafkaConnectionError as exc:
+            if attempt == cfg.connect_retries:
+                raise BrokerUnavailable("kafka", cfg.bootstrap, f"{what}: {exc}") from exc
+            log.warning("kafka %s: %s unreachable (attempt %d/%d), retrying in %.1f s",
+                        what, cfg.bootstrap, attempt, cfg.connect_retries, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 8.0)
+
+
+class Producer:
+    """Encodes schema messages, adds trace headers, and awaits the broker's acknowledgement of each send."""
+
+    def __init__(self, cfg: KafkaConfig, *, client_id: str = "") -> None:
+        self.cfg = cfg
+        self._producer = AIOKafkaProducer(
+            **client_kwargs(cfg, client_id=client_id),
+            acks="all" if cfg.acks == "all" else int(cfg.acks),
+            compression_type=None if cfg.compression == "none" else cfg.compression,
+            linger_ms=cfg.linger_ms,
+            max_request_size=cfg.max_message_bytes + 64 * 1024,
+        )
+        self._started = False
+        self._stopped = False
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await _start_with_retries(self._producer, self.cfg, "producer")
+
+    async def stop(self) -> None:
+        """Flush every accepted record, then close. Idempotent."""
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        await self._producer.stop()
+
+    async def __aenter__(self) -> Producer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def send(self, topic: str, msg: Any, *, key: str | None = None,
+                   headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+                   ctx: otel_context.Context | None = None) -> Any:
+        """Encode ``msg``, send it, and return the broker's RecordMetadata once acknowledged."""
+        value = codec.encode(msg, max_bytes=self.cfg.max_message_bytes)
+        return await self.send_raw(topic, value, key=key, headers=headers, partition=partition, ctx=ctx)
+
+    async def send_raw(self, topic: str, value: bytes, *, key: str | bytes | None = None,
+                       headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+                       ctx: otel_context.Context | None = None) -> Any:
+        fut = await self.enqueue_raw(topic, value, key=key, headers=headers, partition=partition, ctx=ctx)
+        return await fut
+
+    async def enqueue(self, topic: str, msg: Any, *, key: str | None = None,
+                      headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+                      ctx: otel_context.Context | None = None) -> asyncio.Future:
+        """Hand ``msg`` to the producer's batcher and return a future of its acknowledgement (for pipelining)."""
+        value = codec.encode(msg, max_bytes=self.cfg.max_message_bytes)
+        return await self.enqueue_raw(topic, value, key=key, headers=headers, partition=partition, ctx=ctx)
+
+    async def enqueue_raw(self, topic: str, value: bytes, *, key: str | bytes | None = None,
+                          headers: list[tuple[str, bytes]] | None = None, partition: int | None = None,
+                          ctx: otel_context.Context | None = None) -> asyncio.Future:
+        if not self._started or self._stopped:
+            raise BrokerError("producer is not running (call start() first)")
+        kbytes = key.encode() if isinstance(key, str) else key
+        try:
+            return await self._producer.send(
+                topic, value, key=kbytes, partition=partition, headers=kafka_headers(headers or (), ctx)
+            )
+        except KafkaError as exc:
+            raise BrokerError(f"send to {topic} failed: {exc}", retriable=exc.retriable) from exc
+
+    async def flush(self) -> None:
+        await self._producer.flush()
+
+    async def partitions_for(self, topic: str) -> set[int]:
+        return await self._producer.partitions_for(topic)
+
+
+@dataclass(slots=True)
+class Received:
+    """One consumed record: the decoded message, or the error that made it undecodable."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: str | None
+    raw: bytes
+    value: Any = None
+    error: CodecError | None = None
+    headers: dict[str, bytes] = field(default_factory=dict)
+    timestamp_ms: int = 0
+
+    @property
+    def tp(self) -> TopicPartition:
+        return TopicPartition(self.topic, self.partition)
+
+    @property
+    def context(self) -> otel_context.Context:
+        return context_from_kafka(self.headers)
+
+
+def _decode_key(key: bytes | None) -> str | None:
+    if key is None:
+        return None
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return key.hex()
+
+
+class Consumer:
+    """A consumer-group member (``group_id``) or a manual reader (``partitions``); never auto-commits.
+
+    ``getmany`` decodes every record; a record that fails to decode comes back with ``error`` set (and
+    ``value=None``) so the caller can dead-letter it and move on: hostile input never crashes the reader.
+    """
+
+    def __init__(self, cfg: KafkaConfig, topics: Iterable[str], *, group_id: str | None,
+                 expect: type | None = None, client_id: str = "",
+                 partitions: list[TopicPartition] | None = None,
+                 listener: ConsumerRebalanceListener | None = None,
+                 auto_offset_reset: str = "earliest") -> None:
+        self.cfg = cfg
+        self.topics = list(topics)
+        self.group_id = group_id
+        self.expect = expect
+        self._partitions = partitions
+        self._listener = listener
+        self._consumer = AIOKafkaConsumer(
+            **client_kwargs(cfg, client_id=client_id),
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset=auto_offset_reset,
+            max_partition_fetch_bytes=cfg.max_message_bytes + 64 * 1024,
+            fetch_max_bytes=max(cfg.max_message_bytes + 64 * 1024, 52428800),
+            session_timeout_ms=cfg.session_timeout_ms,
+            heartbeat_interval_ms=cfg.heartbeat_interval_ms,
+            max_poll_interval_ms=cfg.max_poll_interval_ms,
+        )
+        self._started = False
+        self._stopped = False
+
+    @property
+    def raw(self) -> AIOKafkaConsumer:
+        """The underlying aiokafka consumer (seek, position, committed)."""
+        return self._consumer
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await _start_with_retries(self._consumer, self.cfg, "consumer")
+        if self._partitions is not None:
+            self._consumer.assign(self._partitions)
+        elif self.topics:
+            self._consumer.subscribe(self.topics, listener=self._listener)
+
+    async def stop(self) -> None:
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        await self._consumer.stop()
+
+    async def __aenter__(self) -> Consumer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _decode(self, rec: Any) -> Received:
+        out = Received(
+            topic=rec.topic, partition=rec.partition, offset=rec.offset, key=_decode_key(rec.key),
+            raw=rec.value if rec.value is not None else b"", headers={k: v for k, v in (rec.headers or ())},
+            timestamp_ms=rec.timestamp or 0,
+        )
+        try:
+            out.value = codec.decode(out.raw, max_bytes=self.cfg.max_message_bytes, expect=self.expect)
+        except CodecError as exc:
+            out.error = exc
+        return out
+
+    async def getmany(self, timeout_ms: int = 1000, max_records: int | None = None) -> list[Received]:
+        """Fetch what is available (waiting up to ``timeout_ms``), decoded, in offset order per partition."""
+        batches = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        return [self._decode(rec) for records in batches.values() for rec in records]
+
+    async def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit ``{tp: next offset to read}``. Raises ``BrokerError`` (retriable after a rebalance)."""
+        if not offsets:
+            return
+        try:
+            await self._consumer.commit(offsets)
+        except KafkaError as exc:
+            raise BrokerError(f"commit failed: {exc}", retriable=True) from exc
+
+    async def committed(self, tp: TopicPartition) -> int | None:
+        return await self._consumer.committed(tp)
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._consumer.assignment())
+
+    def pause(self, *tps: TopicPartition) -> None:
+        self._consumer.pause(*(tps or self._consumer.assignment()))
+
+    def resume(self, *tps: TopicPartition) -> None:
+        self._consumer.resume(*(tps or self._consumer.assignment()))
+
+    def highwater(self, tp: TopicPartition) -> int | None:
+        return self._consumer.highwater(tp)
+
+    async def position(self, tp: TopicPartition) -> int:
+        return await self._consumer.position(tp)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._consumer.seek(tp, offset)
+
+    async def lag(self) -> dict[TopicPartition, int]:
+        """Records behind the high-water mark per assigned partition (known after the first fetch)."""
+        out = {}
+        for tp in self._consumer.assignment():
+            hw = self._consumer.highwater(tp)
+            if hw is not None:
+                out[tp] = max(0, hw - await self._consumer.position(tp))
+        return out
+
+
+class DeadLetters:
+    """Publishes whatever could not be handled to the run's dead-letter topic, with its reason."""
+
+    def __init__(self, producer: Producer, names: Names, role: str) -> None:
+        self.producer = producer
+        self.topic = names.dead_letter
+        self.role = role
+        self.count = 0
+
+    async def send(self, received: Received, *, reason: str = "", detail: str = "") -> None:
+        err = received.error
+        await self._publish(DeadLetter(
+            source=received.topic, reason=reason or (err.reason if err else "unhandled"),
+            detail=detail or (str(err) if err else ""), partition=received.partition, offset=received.offset,
+            key=(received.key or "").encode(), value=received.raw, role=self.role,
+        ), key=received.topic)
+
+    async def send_bytes(self, source: str, value: bytes, *, reason: str, detail: str = "",
+                         key: bytes = b"") -> None:
+        await self._publish(DeadLetter(source=source, reason=reason, detail=detail, value=value, key=key,
+                                       role=self.role), key=source)
+
+    async def send_message(self, source: str, msg: Any, *, reason: str, detail: str = "") -> None:
+        """Dead-letter a decoded message (e.g. an Episode whose reward failed), re-encoded as it was."""
+        try:
+            value = codec.encode(msg, max_bytes=self.producer.cfg.max_message_bytes)
+        except CodecError as exc:
+            value, detail = b"", f"{detail} (could not re-encode: {exc})"
+        await self.send_bytes(source, value, reason=reason, detail=detail)
+
+    async def _publish(self, letter: DeadLetter, *, key: str) -> None:
+        limit = self.producer.cfg.max_message_bytes - 4096
+        if len(letter.value) > limit:  # keep the head of an oversized payload; say so
+            letter.detail = f"{letter.detail} [value truncated from {len(letter.value)} bytes]"
+            letter.value = letter.value[:limit]
+        log.warning("dead-letter from %s: %s %s", letter.source, letter.reason, letter.detail[:200])
+        await self.producer.send(self.topic, letter, key=key)
+        self.count += 1
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

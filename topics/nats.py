@@ -1,0 +1,181 @@
+"""NATS clients: connection with auth/TLS and retries, schema messages with trace headers, the policy KV store.
+
+``PolicyStore`` keeps the latest ``PolicyVersion`` in a JetStream KV bucket (``{prefix}_policy``, key
+``latest``). ``publish`` is a compare-and-set on the bucket revision, so a stale trainer (a zombie after a
+restart, say) cannot overwrite a newer version: it gets ``StaleWriter``. After a successful write the version is
+also announced on the ``{prefix}.policy.version`` subject (with trace context), for subscribers that do not watch
+the bucket. Every request is bounded by ``nats.request_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import KeyValueConfig
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+
+from topics import codec
+from topics.config import NatsConfig
+from topics.errors import BrokerUnavailable, StaleWriter, TimeoutExpired
+from topics.names import Names
+from topics.schemas import PolicyVersion
+from topics.tracing import context_from_nats, nats_headers
+
+log = logging.getLogger("streamforge.nats")
+
+
+def connect_kwargs(cfg: NatsConfig, *, name: str) -> dict[str, Any]:
+    """nats-py connect() keyword arguments (auth and TLS); secrets come from the environment."""
+    if not cfg.url:
+        raise BrokerUnavailable("nats", "<unset>", "nats.url is empty (set STREAMFORGE_NATS_URL)")
+    kw: dict[str, Any] = {
+        "servers": cfg.url.split(","),
+        "name": name,
+        "connect_timeout": cfg.connect_timeout_s,
+        "max_reconnect_attempts": -1,  # keep trying forever once connected; roles degrade, not die
+        "reconnect_time_wait": 0.5,
+    }
+    token = os.environ.get(cfg.token_env, "")
+    if token:
+        kw["token"] = token
+    if cfg.user:
+        kw["user"] = cfg.user
+        kw["password"] = os.environ.get(cfg.password_env, "")
+    if cfg.tls_ca or cfg.tls_cert or any(u.startswith("tls://") for u in kw["servers"]):
+        ctx = ssl.create_default_context(cafile=cfg.tls_ca or None)
+        if cfg.tls_cert:
+            ctx.load_cert_chain(cfg.tls_cert, cfg.tls_key or None)
+        kw["tls"] = ctx
+    return kw
+
+
+async def connect(cfg: NatsConfig, *, name: str) -> NATS:
+    """Connect with retries and exponential backoff; ``BrokerUnavailable`` names the address if all fail."""
+    kw = connect_kwargs(cfg, name=name)
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats %s: %s", name, exc)
+
+    delay = 0.25
+    for attempt in range(1, cfg.connect_retries + 1):
+        try:
+            return await nats.connect(**kw, error_cb=on_error, allow_reconnect=True)
+        except Exception as exc:  # nats-py raises NoServersError, OSError, TimeoutError...
+            if attempt == cfg.connect_retries:
+                raise BrokerUnavailable("nats", cfg.url, f"{type(exc).__name__}: {exc}") from exc
+            log.warning("nats %s unreachable (attempt %d/%d): %s", cfg.url, attempt, cfg.connect_retries, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 8.0)
+    raise AssertionError("unreachable")
+
+
+async def publish_msg(nc: NATS, subject: str, msg: Any) -> None:
+    """Publish a schema message with the current trace context in its headers."""
+    await nc.publish(subject, codec.encode(msg), headers=nats_headers())
+
+
+async def request_msg(nc: NATS, subject: str, msg: Any, *, timeout: float, expect: type | None = None) -> Any:
+    try:
+        reply = await nc.request(subject, codec.encode(msg), timeout=timeout, headers=nats_headers())
+    except nats.errors.TimeoutError as exc:
+        raise TimeoutExpired(f"request on {subject} timed out after {timeout} s") from exc
+    return codec.decode(reply.data, expect=expect)
+
+
+def decode_msg(msg: Msg, expect: type | None = None) -> Any:
+    """Decode a NATS message's payload (raises ``CodecError`` for bad input)."""
+    return codec.decode(msg.data, expect=expect)
+
+
+def msg_context(msg: Msg) -> Any:
+    return context_from_nats(msg.headers)
+
+
+class PolicyStore:
+    """The latest PolicyVersion in a JetStream KV bucket, with compare-and-set publication and a watch."""
+
+    def __init__(self, nc: NATS, names: Names, *, history: int = 16, timeout_s: float = 5.0) -> None:
+        self.nc = nc
+        self.names = names
+        self.history = history
+        self.timeout_s = timeout_s
+        self._kv: Any = None
+
+    async def start(self) -> None:
+        """Open the bucket, creating it if needed. Idempotent."""
+        if self._kv is not None:
+            return
+        js = self.nc.jetstream(timeout=self.timeout_s)
+        try:
+            self._kv = await js.key_value(self.names.policy_bucket)
+        except BucketNotFoundError:
+            self._kv = await js.create_key_value(
+                KeyValueConfig(bucket=self.names.policy_bucket, history=self.history)
+            )
+
+    @property
+    def kv(self) -> Any:
+        if self._kv is None:
+            raise RuntimeError("PolicyStore.start() was not called")
+        return self._kv
+
+    async def latest(self) -> tuple[PolicyVersion | None, int]:
+        """The latest version and its bucket revision (``(None, 0)`` before the first publication)."""
+        try:
+            entry = await self.kv.get(self.names.LATEST_KEY)
+        except KeyNotFoundError:
+            return None, 0
+        if entry.value is None:
+            return None, entry.revision or 0
+        return codec.decode(entry.value, expect=PolicyVersion), entry.revision
+
+    async def publish(self, pv: PolicyVersion, *, expected_revision: int) -> int:
+        """Write ``pv`` if the bucket is still at ``expected_revision``; announce it; return the new revision."""
+        data = codec.encode(pv)
+        try:
+            if expected_revision == 0:
+                rev = await self.kv.create(self.names.LATEST_KEY, data)
+            else:
+                rev = await self.kv.update(self.names.LATEST_KEY, data, last=expected_revision)
+        except KeyWrongLastSequenceError as exc:
+            raise StaleWriter(self.names.LATEST_KEY, expected_revision) from exc
+        await publish_msg(self.nc, self.names.policy_subject, pv)
+        return rev
+
+    async def put(self, key: str, value: bytes) -> int:
+        """Write an auxiliary key of the bucket (e.g. fencing records)."""
+        return await self.kv.put(key, value)
+
+    async def get(self, key: str) -> bytes | None:
+        try:
+            return (await self.kv.get(key)).value
+        except KeyNotFoundError:
+            return None
+
+    async def watch(self) -> AsyncIterator[PolicyVersion]:
+        """Yield the current version (if any), then every newer one as it is written. Runs until cancelled.
+
+        A value that fails to decode is logged and skipped (it cannot be acted on).
+        """
+        watcher = await self.kv.watch(self.names.LATEST_KEY)
+        try:
+            async for entry in watcher:
+                if entry is None or entry.value is None or entry.operation is not None:
+                    continue  # the "initial values done" marker, or a delete/purge
+                try:
+                    yield codec.decode(entry.value, expect=PolicyVersion)
+                except Exception as exc:
+                    log.error("policy store: undecodable value at revision %s: %s", entry.revision, exc)
+        finally:
+            try:
+                await watcher.stop()
+            except Exception:  # connection already closed
+                pass
