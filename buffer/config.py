@@ -9,9 +9,14 @@ from topics.errors import ConfigError
 
 @dataclass(kw_only=True, slots=True)
 class BufferConfig:
-    """Grouping, advantages, filters and batching of the replay buffer."""
+    """Grouping, advantages, filters, batching, backpressure and recovery of the replay buffer.
 
-    group_timeout_s: float = 60.0
+    The rules these values drive are written in ``buffer/state.py`` (state machine) and ``buffer/policies.py``
+    (advantages, filters, batching).
+    """
+
+    buffer_id: str = ""  # stable id of this buffer process; empty = "<hostname>-<pid>"
+    group_timeout_s: float = 60.0  # a group still incomplete this long after its first episode is decided
     incomplete_policy: str = "drop"  # "drop" | "complete" (batch what arrived)
     advantage: str = "grpo"  # "grpo" | "dr_grpo" | "rloo"
     advantage_eps: float = 1e-4
@@ -20,9 +25,17 @@ class BufferConfig:
     filter_zero_variance: bool = True
     max_policy_lag: int = 2  # drop episodes older than latest - max_policy_lag
     max_response_tokens: int = 0  # 0 = no overlong filter
+    filter_truncated: bool = False  # also drop responses whose finish_reason is "length" (as overlong)
     groups_per_batch: int = 4
     token_budget: int = 0  # >0: batch by token count instead of group count
+    budget_count: str = "padded"  # "padded" (rows x longest row) | "tokens" (sum of row lengths)
+    pad_token_id: int = 0
+    pad_to_multiple: int = 1  # round the batch's padded length up to a multiple of this
+    max_batch_wait_s: float = 5.0  # publish a partial batch once its oldest group waited this long
     max_pending_episodes: int = 4096  # stop consuming beyond this many episodes held in memory
+    dedup_window: int = 200_000  # decided episode ids remembered for deduplication
+    poll_max_records: int = 1000  # records per fetch
+    recovery_skew_s: float = 120.0  # clock skew allowed between generators and buffers when recovering
 
     def __post_init__(self) -> None:
         if self.incomplete_policy not in ("drop", "complete"):
@@ -37,3 +50,15 @@ class BufferConfig:
             raise ConfigError("buffer.group_timeout_s", "must be positive")
         if self.max_policy_lag < 0:
             raise ConfigError("buffer.max_policy_lag", "must be >= 0")
+        if self.budget_count not in ("padded", "tokens"):
+            raise ConfigError("buffer.budget_count", "must be 'padded' or 'tokens'")
+        if self.token_budget < 0 or self.max_response_tokens < 0:
+            raise ConfigError("buffer.token_budget", "token_budget and max_response_tokens must be >= 0")
+        if self.pad_to_multiple < 1:
+            raise ConfigError("buffer.pad_to_multiple", "must be at least 1")
+        if self.max_batch_wait_s <= 0:
+            raise ConfigError("buffer.max_batch_wait_s", "must be positive")
+        if self.dedup_window < 1 or self.poll_max_records < 1:
+            raise ConfigError("buffer.dedup_window", "dedup_window and poll_max_records must be at least 1")
+        if self.reward_scale <= 0 or self.reward_clip < 0:
+            raise ConfigError("buffer.reward_scale", "reward_scale must be > 0 and reward_clip >= 0")
