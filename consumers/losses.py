@@ -1,0 +1,284 @@
+"""Policy-gradient losses: one signature for all, a registry users extend.
+
+Every loss is built by ``make_loss(name, **hyperparams)`` and called as::
+
+    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, mask, ref_logprobs=None,
+                            *, entropy=None, prox_logprobs=None)
+
+``logprobs`` (current policy, with grad), ``old_logprobs`` (behaviour policy, from the generator), ``ref_logprobs``,
+``entropy`` and ``mask`` are ``[B, T]`` float tensors; ``advantages`` is ``[B]``. ``loss`` is a scalar to minimise;
+``metrics`` maps names to Python floats. A user adds a loss with ``register_loss("mine", factory)`` where
+``factory(**hyperparams)`` returns such a callable.
+
+Notation (TRL GRPOTrainer's, whose hyperparameter names and conventions we follow so results agree numerically):
+``m`` the mask, ``A_i`` the advantage of row ``i``, ``r_{i,t} = exp(logprobs - old_logprobs)`` the token ratio,
+``eps_lo = epsilon``, ``eps_hi = epsilon_high`` (defaults to ``epsilon``), ``sg`` stop-gradient. Aggregations:
+
+* ``seq``   (grpo, gspo, sapo): ``L = mean_i [ sum_t l_{i,t} m_{i,t} / max(1, sum_t m_{i,t}) ]``
+* ``token`` (bnpo, dapo, cispo, reinforce, decoupled_ppo): ``L = sum_{i,t} l m / max(1, sum_{i,t} m)``
+* ``const`` (dr_grpo): ``L = sum_{i,t} l m / (B * max_completion_length)``
+
+Shared options for every built-in: ``beta`` adds the k3 estimator of KL(pi || pi_ref) per token,
+``l += beta * (exp(ref - logp) - (ref - logp) - 1)`` (needs ``ref_logprobs``); ``entropy_coef`` subtracts
+``entropy_coef * sum(H m) / max(1, sum m)`` (needs ``entropy``); ``off_policy_mask_threshold`` drops rows with
+``A_i < 0`` whose mean ``old - sg(logp)`` over the mask exceeds it (TRL's off-policy sequence mask, for stale
+episodes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from topics.errors import ConfigError
+
+Metrics = dict[str, float]
+
+
+class LossFn(Protocol):
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                 ref_logprobs: Tensor | None = None, *, entropy: Tensor | None = None,
+                 prox_logprobs: Tensor | None = None) -> tuple[Tensor, Metrics]: ...
+
+
+_REGISTRY: dict[str, Callable[..., LossFn]] = {}
+
+
+def register_loss(name: str, factory: Callable[..., LossFn]) -> None:
+    """Make ``make_loss(name, **hyperparams)`` call ``factory(**hyperparams)``. Re-registering replaces."""
+    _REGISTRY[name] = factory
+
+
+def loss_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_loss(name: str, **hyperparams: Any) -> LossFn:
+    """Build the registered loss ``name``; an unknown name or hyperparameter is a ``ConfigError``."""
+    if name not in _REGISTRY:
+        raise ConfigError("trainer.loss", f"unknown loss {name!r}; registered: {loss_names()}")
+    factory = _REGISTRY[name]
+    try:
+        return factory(**hyperparams)
+    except TypeError as exc:
+        raise ConfigError("trainer.loss_args", f"loss {name!r}: {exc}") from exc
+
+
+# --- pieces ------------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def aggregate(per_token: Tensor, mask: Tensor, how: str, max_completion_length: int | None = None) -> Tensor:
+    """Reduce ``[B, T]`` (or ``[B, 1]`` broadcast) per-token losses to a scalar; see the module docstring."""
+    per_token = per_token.expand_as(mask)
+    if how == "seq":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if how == "token":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if how == "const":
+        width = max_completion_length or mask.shape[1]
+        return (per_token * mask).sum() / (mask.shape[0] * width)
+    raise ValueError(f"unknown aggregation {how!r}")
+
+
+def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
+    d = ref_logprobs - logprobs
+    return torch.exp(d) - d - 1
+
+
+def off_policy_mask(advantages: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor,
+                    threshold: float) -> Tensor:
+    """``[B, 1]``: 0 for rows with negative advantage whose mean ``old - sg(logp)`` exceeds ``threshold``."""
+    kl = ((old_logprobs - logprobs.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (kl <= threshold)).to(mask.dtype)
+
+
+def _f(x: Tensor) -> float:
+    return float(x.detach().item())
+
+
+class PolicyLoss:
+    """The family of clipped / weighted policy-gradient losses; each built-in is one configuration of it.
+
+    ``objective`` picks the per-token term (``c`` = coefficient, ``A`` = advantage broadcast over tokens):
+
+    * ``clip``:    ``l = -min(c A, clip(c, 1-eps_lo, 1+eps_hi) A)`` with ``c = min(r, delta)`` if ``delta`` is set
+      in the first term only (TRL's two-sided clipping);
+    * ``cispo``:   ``l = -sg(min(r, eps_hi)) A logp``;
+    * ``sapo``:    ``l = -(4/tau) sigmoid(tau (r - 1)) A`` with ``tau = sapo_temperature_pos if A > 0 else _neg``;
+    * ``tis``:     ``l = -sg(min(r, is_cap)) A logp`` (REINFORCE with truncated importance sampling);
+    * ``decoupled``: ``l = -sg(min(pi_prox/pi_behav, is_cap)) min(q A, clip(q, 1-eps_lo, 1+eps_hi) A)`` with
+      ``q = pi/pi_prox`` (Hilton et al.; AReaL). ``pi_prox`` comes from ``prox_logprobs`` (default
+      ``sg(logprobs)``: the policy just before this step).
+
+    ``level="sequence"`` replaces ``log r`` by its masked mean over the row (GSPO).
+    """
+
+    def __init__(self, *, objective: str, aggregation: str, level: str = "token", epsilon: float = 0.2,
+                 epsilon_high: float | None = None, delta: float | None = None, beta: float = 0.0,
+                 entropy_coef: float = 0.0, max_completion_length: int | None = None,
+                 off_policy_mask_threshold: float | None = None, sapo_temperature_pos: float = 1.0,
+                 sapo_temperature_neg: float = 1.05, is_cap: float = 2.0) -> None:
+        if epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
+            raise ConfigError("trainer.loss_args.epsilon", "must be >= 0")
+        if delta is not None and delta <= 1.0:
+            raise ConfigError("trainer.loss_args.delta", "must be > 1 (upper bound of the ratio)")
+        if beta < 0:
+            raise ConfigError("trainer.loss_args.beta", "must be >= 0")
+        if is_cap <= 0:
+            raise ConfigError("trainer.loss_args.is_cap", "must be positive")
+        self.objective, self.aggregation, self.level = objective, aggregation, level
+        self.epsilon_low = epsilon
+        self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        self.delta, self.beta, self.entropy_coef = delta, beta, entropy_coef
+        self.max_completion_length = max_completion_length
+        self.off_policy_mask_threshold = off_policy_mask_threshold
+        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
+        self.is_cap = is_cap
+
+    def _log_weights(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
+        if self.level == "token":
+            return log_ratio
+        if self.level == "sequence":
+            return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        raise ValueError(f"unknown importance sampling level {self.level!r}")
+
+    def _clipped(self, coef: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
+        clipped = torch.clamp(coef, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        first = torch.clamp(coef, max=self.delta) if self.delta is not None else coef
+        region = ((coef < 1 - self.epsilon_low) & (adv < 0)) | ((coef > 1 + self.epsilon_high) & (adv > 0))
+        return -torch.min(first * adv, clipped * adv), region
+
+    def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                 ref_logprobs: Tensor | None = None, *, entropy: Tensor | None = None,
+                 prox_logprobs: Tensor | None = None) -> tuple[Tensor, Metrics]:
+        mask = mask.to(logprobs.dtype)
+        adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
+        coef = torch.exp(self._log_weights(logprobs - old_logprobs, mask))
+        region = None
+        metrics: Metrics = {}
+        if self.objective == "clip":
+            per_token, region = self._clipped(coef, adv)
+        elif self.objective == "cispo":
+            per_token = -torch.clamp(coef, max=self.epsilon_high).detach() * adv * logprobs
+            region = (coef > self.epsilon_high).expand_as(mask)
+        elif self.objective == "tis":
+            per_token = -torch.clamp(coef, max=self.is_cap).detach() * adv * logprobs
+            region = (coef > self.is_cap).expand_as(mask)
+        elif self.objective == "sapo":
+            tau = torch.where(adv > 0, torch.full_like(adv, self.sapo_temperature_pos),
+                              torch.full_like(adv, self.sapo_temperature_neg))
+            per_token = -torch.sigmoid(tau * (coef - 1)) * 4 / tau * adv
+        elif self.objective == "decoupled":
+            prox = logprobs.detach() if prox_logprobs is None else prox_logprobs.detach()
+            behav_w = torch.clamp(torch.exp(prox - old_logprobs), max=self.is_cap).detach()
+            q = torch.exp(self._log_weights(logprobs - prox, mask))
+            clipped, region = self._clipped(q, adv)
+            per_token = behav_w * clipped
+            metrics["behav_weight_mean"] = _f(masked_mean(behav_w.expand_as(mask), mask))
+        else:
+            raise ValueError(f"unknown objective {self.objective!r}")
+        if self.off_policy_mask_threshold is not None:
+            keep = off_policy_mask(advantages.unsqueeze(-1), logprobs, old_logprobs, mask,
+                                   self.off_policy_mask_threshold)
+            per_token = per_token * keep
+            metrics["off_policy_masked"] = _f(1 - keep.mean())
+        if self.beta != 0.0:
+            if ref_logprobs is None:
+                raise ValueError("beta > 0 needs ref_logprobs")
+            kl = k3_kl(logprobs, ref_logprobs)
+            per_token = per_token + self.beta * kl
+            metrics["kl"] = _f(masked_mean(kl, mask))
+        loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length)
+        metrics["policy_loss"] = _f(loss)
+        if entropy is not None:
+            ent = masked_mean(entropy, mask)
+            metrics["entropy"] = _f(ent)
+            if self.entropy_coef:
+                loss = loss - self.entropy_coef * ent
+        elif self.entropy_coef:
+            raise ValueError("entropy_coef needs the per-token entropy")
+        if region is not None:
+            metrics["clip_fraction"] = _f(masked_mean(region.expand_as(mask).to(mask.dtype), mask))
+        metrics["ratio_mean"] = _f(masked_mean(coef.detach().expand_as(mask), mask))
+        metrics["loss"] = _f(loss)
+        if not math.isfinite(metrics["loss"]):
+            metrics["nonfinite"] = 1.0
+        return loss, metrics
+
+
+# --- built-ins ---------------------------------------------------------------------------------------------------
+
+
+def grpo(**kw: Any) -> PolicyLoss:
+    """GRPO (TRL ``loss_type="grpo"``): clip objective, ``seq`` aggregation (length-normalised per row)."""
+    return PolicyLoss(objective="clip", aggregation="seq", **kw)
+
+
+def bnpo(**kw: Any) -> PolicyLoss:
+    """BNPO (TRL ``"bnpo"``): clip objective, ``token`` aggregation over the batch."""
+    return PolicyLoss(objective="clip", aggregation="token", **kw)
+
+
+def dapo(*, epsilon_high: float | None = 0.28, **kw: Any) -> PolicyLoss:
+    """DAPO (TRL ``"dapo"``): clip-higher (``epsilon_high`` 0.28 by default, as the paper) and ``token`` mean."""
+    return PolicyLoss(objective="clip", aggregation="token", epsilon_high=epsilon_high, **kw)
+
+
+def dr_grpo(*, max_completion_length: int | None = None, **kw: Any) -> PolicyLoss:
+    """Dr. GRPO (TRL ``"dr_grpo"``): clip objective, ``const`` aggregation ``/ (B * max_completion_length)``.
+
+    Without ``max_completion_length`` the mask width ``T`` is used (the trainer passes the generators'
+    ``max_tokens``).
+    """
+    return PolicyLoss(objective="clip", aggregation="const", max_completion_length=max_completion_length, **kw)
+
+
+def gspo(*, epsilon: float = 3e-4, epsilon_high: float | None = 4e-4, **kw: Any) -> PolicyLoss:
+    """GSPO (TRL ``importance_sampling_level="sequence"`` with ``loss_type="grpo"``): the ratio is
+    ``s_i = exp(mean_t m (logp - old))`` per row, clipped to ``[1-eps_lo, 1+eps_hi]`` (3e-4 / 4e-4 as the paper),
+    ``seq`` aggregation."""
+    return PolicyLoss(objective="clip", aggregation="seq", level="sequence", epsilon=epsilon,
+                      epsilon_high=epsilon_high, **kw)
+
+
+def cispo(*, epsilon_high: float | None = 5.0, **kw: Any) -> PolicyLoss:
+    """CISPO (TRL ``"cispo"``): ``l = -sg(min(r, epsilon_high)) A logp``, ``token`` aggregation."""
+    return PolicyLoss(objective="cispo", aggregation="token", epsilon_high=epsilon_high, **kw)
+
+
+def sapo(**kw: Any) -> PolicyLoss:
+    """SAPO (TRL ``"sapo"``): soft gate ``l = -(4/tau) sigmoid(tau (r-1)) A``, ``seq`` aggregation."""
+    return PolicyLoss(objective="sapo", aggregation="seq", **kw)
+
+
+def reinforce(*, is_cap: float = 2.0, **kw: Any) -> PolicyLoss:
+    """REINFORCE with truncated importance sampling: ``l = -sg(min(r, is_cap)) A logp``, ``token`` aggregation."""
+    return PolicyLoss(objective="tis", aggregation="token", is_cap=is_cap, **kw)
+
+
+def decoupled_ppo(*, is_cap: float = 5.0, **kw: Any) -> PolicyLoss:
+    """Decoupled PPO: behaviour policy (importance weight, truncated at ``is_cap``) separated from the proximal
+    policy (the clip anchor), ``token`` aggregation; see ``PolicyLoss``."""
+    return PolicyLoss(objective="decoupled", aggregation="token", is_cap=is_cap, **kw)
+
+
+for _name, _factory in {"grpo": grpo, "bnpo": bnpo, "dapo": dapo, "dr_grpo": dr_grpo, "gspo": gspo,
+                        "cispo": cispo, "sapo": sapo, "reinforce": reinforce,
+                        "decoupled_ppo": decoupled_ppo}.items():
+    register_loss(_name, _factory)
+
+
+def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Metrics]:
+    """Supervised fine-tuning: ``L = -sum(logp m) / max(1, sum m)`` (mean NLL of completion tokens)."""
+    mask = mask.to(logprobs.dtype)
+    loss = -(logprobs * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss, {"loss": _f(loss), "nll": _f(loss)}

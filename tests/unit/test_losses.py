@@ -1,0 +1,249 @@
+"""Every built-in loss against its documented formula: hand-computed cases, TRL's math, gradient flow."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from consumers.losses import k3_kl, loss_names, make_loss, register_loss, sft_loss
+from topics.errors import ConfigError
+
+BUILTINS = ["grpo", "bnpo", "dapo", "dr_grpo", "gspo", "cispo", "sapo", "reinforce", "decoupled_ppo"]
+
+
+def case(seed: int = 0, b: int = 4, t: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(b, t, generator=g) * 3 - 0.1
+    logp = (old + torch.randn(b, t, generator=g) * 0.3).requires_grad_(True)
+    ref = old + torch.randn(b, t, generator=g) * 0.2
+    mask = torch.zeros(b, t)
+    for i in range(b):  # a prompt of 2 tokens, responses of different lengths
+        mask[i, 2: 3 + i] = 1
+    adv = torch.tensor([1.0, -0.5, 0.25, -1.5])[:b]
+    ent = torch.rand(b, t, generator=g)
+    return logp, old, adv, mask, ref, ent
+
+
+def trl_reference(loss_type, logp, old, adv, mask, *, epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
+                  ref=None, level="token", max_completion_length=None, sapo_pos=1.0, sapo_neg=1.05):
+    """TRL GRPOTrainer._compute_loss, rewritten from its documented math (single process, no accumulation)."""
+    eps_lo, eps_hi = epsilon, epsilon if epsilon_high is None else epsilon_high
+    a = adv.unsqueeze(1)
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    c1 = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        ptl = -torch.clamp(c1, max=eps_hi).detach() * a * logp
+    elif loss_type == "sapo":
+        tau = torch.where(a > 0, torch.tensor(sapo_pos), torch.tensor(sapo_neg))
+        ptl = -torch.sigmoid(tau * (c1 - 1)) * 4 / tau * a
+    else:
+        c2 = torch.clamp(c1, 1 - eps_lo, 1 + eps_hi)
+        if delta is not None:
+            c1 = torch.clamp(c1, max=delta)
+        ptl = -torch.min(c1 * a, c2 * a)
+    if beta:
+        ptl = ptl + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if loss_type in ("grpo", "sapo"):
+        return ((ptl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return (ptl * mask).sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        return (ptl * mask).sum() / (ptl.size(0) * max_completion_length)
+    if loss_type in ("dapo", "cispo"):
+        return (ptl * mask).sum() / mask.sum().clamp(min=1.0)
+    raise AssertionError(loss_type)
+
+
+@pytest.mark.parametrize("name,kw,trl_type,trl_kw", [
+    ("grpo", {}, "grpo", {}),
+    ("grpo", {"epsilon": 0.1, "epsilon_high": 0.3, "delta": 1.5}, "grpo",
+     {"epsilon": 0.1, "epsilon_high": 0.3, "delta": 1.5}),
+    ("grpo", {"beta": 0.04}, "grpo", {"beta": 0.04}),
+    ("bnpo", {}, "bnpo", {}),
+    ("dapo", {}, "dapo", {"epsilon_high": 0.28}),
+    ("dr_grpo", {"max_completion_length": 16}, "dr_grpo", {"max_completion_length": 16}),
+    ("gspo", {}, "grpo", {"level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}),
+    ("gspo", {"beta": 0.1}, "grpo", {"level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.1}),
+    ("cispo", {}, "cispo", {"epsilon_high": 5.0}),
+    ("cispo", {"epsilon_high": 1.1}, "cispo", {"epsilon_high": 1.1}),
+    ("sapo", {}, "sapo", {}),
+])
+def test_matches_trl_math_value_and_gradient(name, kw, trl_type, trl_kw):
+    logp, old, adv, mask, ref, _ = case()
+    ours, _ = make_loss(name, **kw)(logp, old, adv, mask, ref)
+    (g_ours,) = torch.autograd.grad(ours, logp)
+    theirs = trl_reference(trl_type, logp, old, adv, mask, ref=ref, **trl_kw)
+    (g_theirs,) = torch.autograd.grad(theirs, logp)
+    assert torch.allclose(ours, theirs, atol=1e-7, rtol=1e-6)
+    assert torch.allclose(g_ours, g_theirs, atol=1e-7, rtol=1e-6)
+
+
+def test_grpo_hand_computed_on_policy():
+    # On policy (ratio 1) the clip is inactive: L = mean_i(-A_i) over rows, gradient -A_i/|o_i| per token.
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([2.0, -1.0])
+    loss, m = make_loss("grpo")(logp, logp.detach(), adv, mask)
+    assert loss.item() == pytest.approx((-2.0 + 1.0) / 2)
+    loss.backward()
+    expected = torch.tensor([[-2 / 3 / 2] * 3, [1 / 2 / 2, 1 / 2 / 2, 0.0]])
+    assert torch.allclose(logp.grad, expected)
+    assert m["clip_fraction"] == 0.0 and m["ratio_mean"] == pytest.approx(1.0)
+
+
+def test_dapo_hand_computed_clip_higher():
+    # One token, A = 1, ratio e^0.5 = 1.6487 > 1.28: clipped to 1.28, no gradient.
+    logp = torch.tensor([[0.5]], requires_grad=True)
+    loss, m = make_loss("dapo")(logp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.28)
+    loss.backward()
+    assert logp.grad.abs().sum() == 0 and m["clip_fraction"] == 1.0
+    # A = -1 with the same ratio: min(-r, -1.28) = -r is unclipped, gradient r.
+    logp.grad = None
+    loss, _ = make_loss("dapo")(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(math.exp(0.5))
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(math.exp(0.5))
+
+
+def test_dr_grpo_divides_by_constant():
+    logp = torch.zeros(2, 4, requires_grad=True)
+    mask = torch.tensor([[1.0, 1, 0, 0], [1.0, 1, 1, 1]])
+    loss, _ = make_loss("dr_grpo", max_completion_length=10)(logp, logp.detach(), torch.tensor([1.0, 1.0]), mask)
+    assert loss.item() == pytest.approx(-6 / (2 * 10))
+    loss, _ = make_loss("dr_grpo")(logp, logp.detach(), torch.tensor([1.0, 1.0]), mask)
+    assert loss.item() == pytest.approx(-6 / (2 * 4))  # default: mask width
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+    logp = torch.tensor([[0.1, -0.1, 0.3]], requires_grad=True)  # mean log-ratio 0.1 over the 3 tokens
+    loss, m = make_loss("gspo", epsilon=0.2, epsilon_high=0.2)(logp, torch.zeros(1, 3), torch.tensor([1.0]),
+                                                              torch.ones(1, 3))
+    assert loss.item() == pytest.approx(-math.exp(0.1))
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.full((1, 3), -math.exp(0.1) / 3))
+    assert m["ratio_mean"] == pytest.approx(math.exp(0.1))
+
+
+def test_cispo_weight_is_stop_gradient_and_clipped():
+    logp = torch.tensor([[math.log(0.5), math.log(0.5)]], requires_grad=True)
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]])  # ratios 2 and 1
+    loss, _ = make_loss("cispo", epsilon_high=1.5)(logp, old, torch.tensor([1.0]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-(1.5 * math.log(0.5) + 1.0 * math.log(0.5)) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.5 / 2, -1.0 / 2]]))
+
+
+def test_sapo_soft_gate():
+    logp = torch.tensor([[0.2], [0.2]], requires_grad=True)
+    loss, _ = make_loss("sapo")(logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), torch.ones(2, 1))
+    r = math.exp(0.2)
+    pos = -4 * (1 / (1 + math.exp(-(r - 1)))) * 1.0
+    neg = -4 / 1.05 * (1 / (1 + math.exp(-1.05 * (r - 1)))) * -1.0
+    assert loss.item() == pytest.approx((pos + neg) / 2, rel=1e-6)
+
+
+def test_reinforce_truncated_is():
+    logp = torch.tensor([[math.log(0.9), math.log(0.2)]], requires_grad=True)
+    old = torch.tensor([[math.log(0.3), math.log(0.2)]])  # ratios 3 (capped at 2) and 1
+    loss, m = make_loss("reinforce", is_cap=2.0)(logp, old, torch.tensor([0.5]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(-0.5 * (2 * math.log(0.9) + math.log(0.2)) / 2)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-0.5, -0.25]]))
+    assert m["clip_fraction"] == 0.5
+
+
+def test_decoupled_ppo_separates_behaviour_and_proximal():
+    logp = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    behav = torch.tensor([[math.log(0.25)]])
+    # Default proximal = current policy (detached): q = 1, weight pi_prox/pi_behav = 2 (under the cap of 5).
+    loss, m = make_loss("decoupled_ppo")(logp, behav, torch.tensor([1.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-2.0)
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-2.0) and m["behav_weight_mean"] == pytest.approx(2.0)
+    # An explicit proximal policy 0.4: q = 1.25 is clipped at 1.2, weight 0.4/0.25 = 1.6.
+    logp.grad = None
+    prox = torch.tensor([[math.log(0.4)]])
+    loss, _ = make_loss("decoupled_ppo")(logp, behav, torch.tensor([1.0]), torch.ones(1, 1), prox_logprobs=prox)
+    assert loss.item() == pytest.approx(-1.6 * 1.2)
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    # Versus plain PPO against the behaviour policy, where ratio 2 would be clipped at 1.2.
+    plain, _ = make_loss("bnpo")(logp, behav, torch.tensor([1.0]), torch.ones(1, 1))
+    assert plain.item() == pytest.approx(-1.2)
+
+
+def test_k3_kl_and_beta():
+    lp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -2.0]])
+    kl = k3_kl(lp, ref)
+    assert kl[0, 0].item() == pytest.approx(math.exp(-0.5) + 0.5 - 1) and kl[0, 1].item() == 0.0
+    logp = lp.clone().requires_grad_(True)
+    base, _ = make_loss("bnpo")(logp, lp, torch.tensor([1.0]), torch.ones(1, 2))
+    with_kl, m = make_loss("bnpo", beta=0.5)(logp, lp, torch.tensor([1.0]), torch.ones(1, 2), ref)
+    assert (with_kl - base).item() == pytest.approx(0.5 * kl.mean().item())
+    assert m["kl"] == pytest.approx(kl.mean().item())
+    with pytest.raises(ValueError):
+        make_loss("bnpo", beta=0.5)(logp, lp, torch.tensor([1.0]), torch.ones(1, 2))
+
+
+def test_entropy_bonus_subtracts_masked_mean_entropy():
+    logp, old, adv, mask, _, ent = case()
+    base, _ = make_loss("grpo")(logp, old, adv, mask, entropy=ent)
+    bonus, m = make_loss("grpo", entropy_coef=0.1)(logp, old, adv, mask, entropy=ent)
+    h = (ent * mask).sum() / mask.sum()
+    assert (base - bonus).item() == pytest.approx(0.1 * h.item(), rel=1e-5)
+    assert m["entropy"] == pytest.approx(h.item())
+
+
+def test_off_policy_mask_drops_stale_negative_rows():
+    logp = torch.zeros(2, 2, requires_grad=True)
+    old = torch.tensor([[1.0, 1.0], [1.0, 1.0]])  # mean old - logp = 1 on both rows
+    adv = torch.tensor([1.0, -1.0])
+    loss, m = make_loss("bnpo", off_policy_mask_threshold=0.5)(logp, old, adv, torch.ones(2, 2))
+    loss.backward()
+    assert logp.grad[1].abs().sum() == 0 and logp.grad[0].abs().sum() > 0
+    assert m["off_policy_masked"] == 0.5
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_gradient_flows_only_through_masked_tokens(name):
+    logp, old, adv, mask, ref, ent = case(seed=3)
+    fn = make_loss(name, beta=0.02, entropy_coef=0.0)
+    loss, metrics = fn(logp, old, adv, mask, ref, entropy=ent)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert logp.grad is not None
+    assert (logp.grad[mask == 0] == 0).all()
+    assert logp.grad[mask == 1].abs().sum() > 0
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert "loss" in metrics and "entropy" in metrics and "kl" in metrics
+
+
+def test_registry_and_errors():
+    assert set(BUILTINS) <= set(loss_names())
+    with pytest.raises(ConfigError):
+        make_loss("nope")
+    with pytest.raises(ConfigError):
+        make_loss("grpo", epsilonn=0.1)
+
+    def my_loss(scale: float = 1.0):
+        def fn(logprobs, old_logprobs, advantages, mask, ref_logprobs=None, *, entropy=None, prox_logprobs=None):
+            loss = -scale * (logprobs * mask).sum() / mask.sum()
+            return loss, {"loss": loss.item()}
+        return fn
+
+    register_loss("test_mine", my_loss)
+    logp, old, adv, mask, _, _ = case()
+    loss, m = make_loss("test_mine", scale=2.0)(logp, old, adv, mask)
+    assert m["loss"] == pytest.approx(loss.item())
+
+
+def test_sft_loss_is_mean_nll_of_completion():
+    logp = torch.tensor([[-9.0, -1.0, -3.0]])
+    loss, _ = sft_loss(logp, torch.tensor([[0.0, 1.0, 1.0]]))
+    assert loss.item() == pytest.approx(2.0)
