@@ -1,0 +1,164 @@
+"""The buffer state machine: dedup, completion, timeouts, verdicts, batches and offsets (no broker)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from buffer.config import BufferConfig
+from buffer.policies import Reason
+from buffer.state import BufferState
+from topics.schemas import Episode
+
+
+def ep(gid: str, i: int, *, reward: float | None = None, size: int = 2, version: int = 0, resp: int = 3) -> Episode:
+    return Episode(
+        episode_id=f"{gid}/{i}", group_id=gid, group_size=size, prompt_id=gid,
+        prompt_tokens=np.array([1, 2], dtype=np.int32), response_tokens=np.full(resp, 5, dtype=np.int32),
+        logprobs=np.full(resp, -0.5, dtype=np.float32), token_versions=np.full(resp, version, dtype=np.int32),
+        policy_version=version, reward=float(i % 2) if reward is None else reward,
+    )
+
+
+def cfg(**kw) -> BufferConfig:
+    base = dict(groups_per_batch=2, group_timeout_s=10.0, max_batch_wait_s=100.0)
+    base.update(kw)
+    return BufferConfig(**base)
+
+
+def feed(state: BufferState, records, *, partition=0, start=0, now=0.0):
+    return [state.add(e, partition=partition, offset=start + k, now=now) for k, e in enumerate(records)]
+
+
+def ack_all(state, decisions):
+    for d in decisions:
+        state.ack(d)
+
+
+def test_groups_complete_then_batch_and_offsets_commit_after_ack():
+    s = BufferState(cfg())
+    assert feed(s, [ep("a", 0), ep("b", 0), ep("a", 1)]) == ["pending", "pending", "complete"]
+    assert s.take_decisions(now=1, latest_version=0) == []  # one scored group, batch needs two
+    assert s.committable() == {0: 0} and s.held == 3
+    assert feed(s, [ep("b", 1)], start=3) == ["complete"]
+    (d,) = s.take_decisions(now=1, latest_version=0)
+    assert d.kind == "batch" and d.episode_ids == ["a/0", "a/1", "b/0", "b/1"] and sorted(d.offsets) == [0, 1, 2, 3]
+    assert d.batch is not None and d.batch.batch_id and d.group_ids == ["a", "b"]
+    assert s.committable() == {0: 0}  # not acknowledged yet: nothing committable
+    s.ack(d)
+    assert s.committable() == {0: 4} and s.held == 0
+    assert s.counters["batches"] == 1 and s.counters["batched_episodes"] == 4
+
+
+def test_committable_is_lowest_held_offset():
+    s = BufferState(cfg(groups_per_batch=1))
+    feed(s, [ep("a", 0), ep("b", 0), ep("b", 1), ep("c", 0)])
+    (d,) = s.take_decisions(now=0, latest_version=0)
+    assert d.group_ids == ["b"]
+    s.ack(d)
+    assert s.committable() == {0: 0}  # a/0 at offset 0 still pending
+    feed(s, [ep("a", 1)], start=4)
+    ack_all(s, s.take_decisions(now=0, latest_version=0))
+    assert s.committable() == {0: 3}  # c/0 at offset 3 still pending
+
+
+def test_dedup_held_is_duplicate_and_decided_is_skipped():
+    s = BufferState(cfg(groups_per_batch=1))
+    assert feed(s, [ep("a", 0), ep("a", 0)]) == ["pending", "duplicate"]
+    (dup,) = s.take_decisions(now=0, latest_version=0)
+    assert dup.kind == "drop" and dup.reason == Reason.DUPLICATE and dup.offsets == [1]
+    s.ack(dup)
+    feed(s, [ep("a", 1)], start=2)
+    (d,) = s.take_decisions(now=0, latest_version=0)
+    assert d.episode_ids == ["a/0", "a/1"]  # the duplicate did not displace the original
+    s.ack(d)
+    # a replay after recovery (or a very late duplicate) of decided episodes: skipped, no new decision
+    assert feed(s, [ep("a", 0), ep("a", 1)], start=0) == ["already_decided"] * 2
+    assert s.take_decisions(now=0, latest_version=0) == [] and s.committable() == {0: 3}
+    assert s.counters["already_decided"] == 2 and s.counters["dropped_duplicate"] == 1
+
+
+def test_incomplete_group_timeout_drop_then_late_straggler():
+    s = BufferState(cfg(group_timeout_s=5.0))
+    feed(s, [ep("a", 0, size=3), ep("a", 1, size=3)], now=0.0)
+    assert s.take_decisions(now=4.9, latest_version=0) == []
+    (d,) = s.take_decisions(now=5.0, latest_version=0)
+    assert d.reason == Reason.INCOMPLETE and d.episode_ids == ["a/0", "a/1"] and s.pending_groups == 0
+    s.ack(d)
+    assert feed(s, [ep("a", 2, size=3)], start=2, now=6) == ["late"]
+    (late,) = s.take_decisions(now=6, latest_version=0)
+    assert late.reason == Reason.LATE and late.episode_ids == ["a/2"]
+    s.ack(late)
+    assert s.committable() == {0: 3}
+
+
+def test_incomplete_group_completed_by_policy():
+    s = BufferState(cfg(group_timeout_s=5.0, incomplete_policy="complete", groups_per_batch=1))
+    feed(s, [ep("a", 0, size=4), ep("a", 1, size=4)], now=0.0)
+    (d,) = s.take_decisions(now=6, latest_version=0)
+    assert d.kind == "batch" and d.episode_ids == ["a/0", "a/1"]
+
+
+def test_stale_and_zero_variance_drops_are_decisions():
+    s = BufferState(cfg(max_policy_lag=1, groups_per_batch=1))
+    feed(s, [ep("old", 0, version=1), ep("old", 1, version=1), ep("flat", 0, reward=1.0, version=3),
+                ep("flat", 1, reward=1.0, version=2)])
+    ds = s.take_decisions(now=0, latest_version=3)
+    assert sorted((d.reason, tuple(d.episode_ids)) for d in ds) == [
+        (Reason.STALE, ("old/0", "old/1")), (Reason.ZERO_VARIANCE, ("flat/0", "flat/1"))]
+    ack_all(s, ds)
+    assert s.counters["dropped_stale"] == 2 and s.counters["dropped_zero_variance"] == 2
+    assert s.committable() == {0: 4}
+
+
+def test_partial_batch_after_wait_and_on_final():
+    s = BufferState(cfg(groups_per_batch=4, max_batch_wait_s=3.0))
+    feed(s, [ep("a", 0), ep("a", 1)], now=0)
+    assert s.take_decisions(now=1, latest_version=0) == []
+    (d,) = s.take_decisions(now=4, latest_version=0)
+    assert d.group_ids == ["a"]
+    feed(s, [ep("b", 0), ep("b", 1)], start=2, now=5)
+    (d,) = s.take_decisions(now=5, latest_version=0, final=True)
+    assert d.group_ids == ["b"]
+
+
+def test_batches_stay_within_a_partition_and_are_deterministic():
+    def run(order):
+        s = BufferState(cfg())
+        for p, gid, i, off in order:
+            s.add(ep(gid, i), partition=p, offset=off, now=0)
+        return sorted((d.partition, d.batch.batch_id) for d in s.take_decisions(now=0, latest_version=0, final=True))
+
+    p0 = [(0, "a", 0, 0), (0, "a", 1, 1), (0, "b", 0, 2), (0, "b", 1, 3)]
+    p1 = [(1, "c", 0, 0), (1, "c", 1, 1), (1, "d", 0, 2), (1, "d", 1, 3)]
+    interleaved = [x for pair in zip(p0, p1) for x in pair]
+    assert run(p0 + p1) == run(p1 + p0) == run(interleaved)
+    assert len(run(interleaved)) == 2
+
+
+def test_revoke_forgets_partition():
+    s = BufferState(cfg())
+    feed(s, [ep("a", 0)], partition=0)
+    feed(s, [ep("b", 0)], partition=1)
+    s.revoke([0])
+    assert s.committable() == {1: 0} and s.held == 1 and s.pending_groups == 1
+    assert s.add(ep("a", 0), partition=0, offset=0, now=0) == "pending"  # the replay is not a duplicate
+
+
+def test_state_dict_round_trip_keeps_decided_set():
+    s = BufferState(cfg(groups_per_batch=1))
+    feed(s, [ep("a", 0), ep("a", 1)])
+    ack_all(s, s.take_decisions(now=0, latest_version=0))
+    sd = s.state_dict()
+    t = BufferState(cfg(groups_per_batch=1))
+    t.load_state_dict(sd)
+    assert t.is_decided("a/0") and t.committable() == {0: 2} and t.counters == s.counters
+    assert t.add(ep("a", 1), partition=0, offset=1, now=0) == "already_decided"
+    assert t.add(ep("a", 2, size=2), partition=0, offset=2, now=0) == "late"
+
+
+def test_remember_decided_from_recovery_and_dedup_window_is_bounded():
+    s = BufferState(cfg(dedup_window=3))
+    s.remember_decided(["x/0", "x/1"], ["x"])
+    assert s.add(ep("x", 0), partition=0, offset=0, now=0) == "already_decided"
+    s.remember_decided(["y/0", "y/1", "z/0"])
+    assert not s.is_decided("x/0") and s.is_decided("z/0")
