@@ -9,15 +9,26 @@ from topics.errors import ConfigError
 
 @dataclass(kw_only=True, slots=True)
 class WeightSyncConfig:
-    """How new weights reach the generators."""
+    """How new weights reach the generators.
+
+    ``transport``: ``gloo`` pushes over a 2-rank torch.distributed gloo group per generator (CPU, any host);
+    ``nccl`` is the GPU choice (today it rides the same per-generator groups over host memory, see
+    weightsync/README in the module docstring of ``weightsync/__init__.py``); ``file`` writes safetensors to
+    ``shared_dir`` and generators ``reload_weights`` from there; ``auto`` = nccl with CUDA, else gloo.
+    """
 
     transport: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "gloo" | "file"
-    host: str = "127.0.0.1"  # trainer-side rendezvous host for collective transports
+    host: str = "127.0.0.1"  # trainer-side rendezvous host for collective transports (must be reachable)
     port: int = 0  # 0 = a free port
+    generator_host: str = ""  # generator-side address for gloo sockets ("" = derived from the trainer host)
     shared_dir: str = ""  # for the file transport (empty = <run_dir>/weights)
+    keep_versions: int = 3  # file transport: version directories kept on disk
     bucket_mb: int = 64
     timeout_s: float = 30.0  # every collective and request is bounded by this
     ack_deadline_s: float = 30.0  # a generator that has not acked by then is fenced
+    join_timeout_s: float = 10.0  # a generator's join request (the trainer answers after starting its rendezvous)
+    heartbeat_s: float = 2.0  # generator membership heartbeat period
+    member_timeout_s: float = 10.0  # a generator silent for this long is dropped from the membership
     pause_mode: str = "keep"  # vLLM pause_generation mode around a swap: "keep" | "wait"
 
     def __post_init__(self) -> None:
@@ -25,7 +36,28 @@ class WeightSyncConfig:
             raise ConfigError("weightsync.transport", "must be auto, nccl, gloo or file")
         if self.pause_mode not in ("keep", "wait"):
             raise ConfigError("weightsync.pause_mode", "must be 'keep' or 'wait'")
-        if self.timeout_s <= 0:
-            raise ConfigError("weightsync.timeout_s", "must be positive")
+        for key in ("timeout_s", "ack_deadline_s", "join_timeout_s", "heartbeat_s", "member_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"weightsync.{key}", "must be positive")
+        if self.member_timeout_s <= self.heartbeat_s:
+            raise ConfigError("weightsync.member_timeout_s", "must be longer than weightsync.heartbeat_s")
         if self.bucket_mb < 1:
             raise ConfigError("weightsync.bucket_mb", "must be at least 1")
+        if self.keep_versions < 1:
+            raise ConfigError("weightsync.keep_versions", "must be at least 1")
+        if not 0 <= self.port < 65536:
+            raise ConfigError("weightsync.port", "must be a port number (0 = free port)")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.bucket_mb * 1024 * 1024
+
+    def resolved_transport(self, *, cuda: bool | None = None) -> str:
+        """The concrete transport: ``auto`` becomes ``nccl`` when CUDA is available, else ``gloo``."""
+        if self.transport != "auto":
+            return self.transport
+        if cuda is None:
+            import torch
+
+            cuda = torch.cuda.is_available()
+        return "nccl" if cuda else "gloo"

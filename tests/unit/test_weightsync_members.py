@@ -1,0 +1,71 @@
+"""Membership, acks and fencing (weightsync/members.py) and the weightsync config."""
+
+from __future__ import annotations
+
+import pytest
+
+from topics.errors import ConfigError
+from topics.schemas import Membership, VersionAck
+from weightsync import vllm_args
+from weightsync.config import WeightSyncConfig
+from weightsync.members import Registry, parse_fenced
+
+
+def _m(gid, event, version=-1, pid=1, at=100.0):
+    return Membership(generator_id=gid, event=event, version=version, pid=pid, created_at=at)
+
+
+def test_join_heartbeat_leave_and_expiry():
+    reg = Registry(member_timeout_s=10)
+    m = reg.on_membership(_m("g1", "join", version=3), now=0.0)
+    assert m.session == "g1/1/100.000000" and m.acked_version == 3
+    reg.on_membership(_m("g2", "join"), now=0.0)
+    reg.on_membership(_m("g1", "heartbeat", version=4), now=8.0)
+    assert reg.members["g1"].acked_version == 4
+    gone = reg.expire(now=12.0)
+    assert [g.generator_id for g in gone] == ["g2"] and set(reg.members) == {"g1"}
+    assert reg.on_membership(_m("g1", "leave"), now=13.0) is None
+    assert reg.members == {}
+
+
+def test_a_new_join_gets_a_new_session():
+    reg = Registry()
+    a = reg.on_membership(_m("g1", "join", pid=1, at=1.0), now=0.0).session
+    b = reg.on_membership(_m("g1", "join", pid=2, at=2.0), now=1.0).session
+    assert a != b
+
+
+def test_fencing_keeps_last_acked_version_and_unfences_on_catch_up():
+    reg = Registry()
+    reg.on_membership(_m("g1", "join"), now=0.0)
+    reg.on_ack(VersionAck(generator_id="g1", version=2), now=1.0)
+    reg.latest_version = 3
+    f = reg.fence("g1", 3, now=5.0)
+    assert (f.last_acked_version, f.missed_version) == (2, 3)
+    assert parse_fenced(reg.fenced_json()) == {"g1": 2}
+    # a failed ack does not unfence, an ack of an older version does not either
+    assert not reg.on_ack(VersionAck(generator_id="g1", version=3, ok=False))
+    reg.latest_version = 4
+    assert not reg.on_ack(VersionAck(generator_id="g1", version=3))
+    assert reg.fence("g1", 4).missed_version == 3  # the first missed version stays
+    assert reg.on_ack(VersionAck(generator_id="g1", version=4))
+    assert reg.fenced == {} and parse_fenced(reg.fenced_json()) == {}
+    # the record survives a trainer restart
+    reg.fence("g1", 5)
+    other = Registry()
+    other.load_fenced(reg.fenced_json())
+    assert parse_fenced(other.fenced_json()) == {"g1": 4}
+
+
+def test_config_validation_and_vllm_args():
+    with pytest.raises(ConfigError, match="weightsync.transport"):
+        WeightSyncConfig(transport="carrier-pigeon")
+    with pytest.raises(ConfigError, match="weightsync.member_timeout_s"):
+        WeightSyncConfig(heartbeat_s=5, member_timeout_s=4)
+    assert WeightSyncConfig().resolved_transport(cuda=False) == "gloo"
+    assert WeightSyncConfig().resolved_transport(cuda=True) == "nccl"
+    assert WeightSyncConfig(transport="file").resolved_transport(cuda=True) == "file"
+    args = vllm_args(WeightSyncConfig(transport="gloo"))
+    assert args["weight_transfer_config"] == {"backend": "gloo"}
+    assert args["worker_extension_cls"] == "weightsync.worker.WeightSyncWorkerExtension"
+    assert "weight_transfer_config" not in vllm_args(WeightSyncConfig(transport="file"))

@@ -1,0 +1,147 @@
+"""Point-to-point weight pushes over torch.distributed gloo process groups, one group per generator.
+
+Why a pair group per generator and not one group of all of them: generators join, leave and die while the trainer
+runs. A collective over a group with a dead member fails for every member, and re-forming one big group on every
+membership change stalls everyone. A 2-rank group (trainer rank 0, generator rank 1) breaks alone when its
+generator dies; the trainer drops it and the generator forms a new one when it re-joins.
+
+Rendezvous: the trainer runs one ``TCPStore`` server (``Rendezvous``); each pair uses a ``PrefixStore`` named by a
+session string both sides know (the generator's join message), so pairs never mix keys. Every call here is bounded
+by the timeout given at group creation (gloo raises after it), so no caller can hang on a dead peer.
+
+Messages of one push, all broadcasts from rank 0 (see ``weightsync/wire.py``): ``int64[1]`` header length, the
+``uint8`` header, then each bucket. ``recv_push`` returns the layout and the received buckets.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+from topics.errors import StreamforgeError, TimeoutExpired
+from weightsync.wire import Layout, Snapshot
+
+log = logging.getLogger("streamforge.weightsync.collective")
+
+
+class TransferFailed(StreamforgeError):
+    """A weight push over a pair group failed or timed out; the group is unusable afterwards."""
+
+    retriable = True
+
+    def __init__(self, peer: str, detail: str) -> None:
+        super().__init__(f"weight transfer with {peer} failed: {detail}")
+        self.peer = peer
+        self.detail = detail
+
+
+class Rendezvous:
+    """The trainer's TCPStore server that generators' pair groups meet at (``address`` = "host:port")."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0) -> None:
+        self.host = host
+        self.timeout_s = timeout_s
+        self._store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                               timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+        self.port = self._store.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def store(self, session: str) -> PrefixStore:
+        return PrefixStore(f"pair/{session}", self._store)
+
+    def close(self) -> None:
+        self._store = None  # type: ignore[assignment]
+
+
+def _options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)] if host else [
+        ProcessGroupGloo.create_default_device()]
+    opts._threads = 2
+    return opts
+
+
+def trainer_pair(rdzv: Rendezvous, session: str, *, timeout_s: float) -> ProcessGroupGloo:
+    """Rank 0 of the pair ``session``; blocks until the generator connects or ``timeout_s`` passes."""
+    try:
+        return ProcessGroupGloo(rdzv.store(session), 0, 2, _options(rdzv.host, timeout_s))
+    except RuntimeError as exc:
+        raise TransferFailed(session, f"rendezvous: {exc}") from exc
+
+
+def generator_pair(address: str, session: str, *, timeout_s: float, host: str = "") -> ProcessGroupGloo:
+    """Rank 1 of the pair ``session`` against the trainer's store at ``address``; bounded by ``timeout_s``."""
+    store_host, _, port = address.rpartition(":")
+    try:
+        store = TCPStore(store_host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+        local = host or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
+        return ProcessGroupGloo(PrefixStore(f"pair/{session}", store), 1, 2, _options(local, timeout_s))
+    except (RuntimeError, ValueError) as exc:
+        raise TransferFailed(address, f"rendezvous {session}: {exc}") from exc
+
+
+def _bcast(pg: ProcessGroupGloo, tensor: torch.Tensor, peer: str) -> None:
+    opts = torch.distributed.BroadcastOptions()
+    opts.rootRank = 0
+    try:
+        pg.broadcast([tensor], opts).wait()
+    except RuntimeError as exc:
+        msg = str(exc)
+        if "imeout" in msg or "timed out" in msg:
+            raise TimeoutExpired(f"weight transfer with {peer} timed out: {msg.splitlines()[0]}") from exc
+        raise TransferFailed(peer, msg.splitlines()[0] if msg else type(exc).__name__) from exc
+
+
+def send_push(pg: ProcessGroupGloo, snapshot: Snapshot, *, peer: str = "generator") -> float:
+    """Send one snapshot (header, then buckets) as rank 0; returns seconds spent. Raises ``TransferFailed`` or
+    ``TimeoutExpired`` (bounded by the group's timeout)."""
+    t0 = time.perf_counter()
+    header = snapshot.layout.to_header()
+    _bcast(pg, torch.tensor([len(header)], dtype=torch.int64), peer)
+    _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8), peer)
+    for buf in snapshot.buffers:
+        if buf.numel():
+            _bcast(pg, buf, peer)
+    return time.perf_counter() - t0
+
+
+def recv_header(pg: ProcessGroupGloo, *, peer: str = "trainer") -> Layout:
+    """Receive the header of a push as rank 1."""
+    n = torch.zeros(1, dtype=torch.int64)
+    _bcast(pg, n, peer)
+    raw = torch.empty(int(n.item()), dtype=torch.uint8)
+    _bcast(pg, raw, peer)
+    return Layout.from_header(raw.numpy().tobytes())
+
+
+def recv_buckets(pg: ProcessGroupGloo, layout: Layout, *, peer: str = "trainer"):
+    """Yield ``(bucket_index, buffer)`` as each bucket of the push arrives (rank 1)."""
+    for i, nbytes in enumerate(layout.buckets):
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            _bcast(pg, buf, peer)
+        yield i, buf
+
+
+def recv_push(pg: ProcessGroupGloo, *, peer: str = "trainer") -> Snapshot:
+    """Receive a whole push into fresh buffers (rank 1)."""
+    layout = recv_header(pg, peer=peer)
+    return Snapshot(layout=layout, buffers=[b for _, b in recv_buckets(pg, layout, peer=peer)])
+
+
+def raw_broadcast(pg: ProcessGroupGloo, buffers: list[torch.Tensor], *, peer: str = "peer") -> float:
+    """Broadcast the given buffers from rank 0 with nothing else (the benchmark's baseline); returns seconds."""
+    t0 = time.perf_counter()
+    for buf in buffers:
+        if buf.numel():
+            _bcast(pg, buf, peer)
+    return time.perf_counter() - t0

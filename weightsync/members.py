@@ -1,0 +1,131 @@
+"""The trainer's view of the generators: membership, acknowledged versions and fencing (pure state, no I/O).
+
+A generator is a *member* from its ``join`` until its ``leave`` or until it has been silent (no join, heartbeat or
+ack) for ``member_timeout_s``. Every publication round expects an ack of the new version from every member it
+targeted; a member that does not ack by the deadline (or whose transfer failed) is *fenced*.
+
+Fencing record (what the buffer reads): the JSON value of key ``fenced`` in the run's policy KV bucket,
+
+    {"<generator_id>": {"last_acked_version": int, "fenced_at": float, "missed_version": int}, ...}
+
+A fenced generator's episodes whose token versions are newer than ``last_acked_version`` were sampled by weights
+the trainer never saw it adopt; the buffer drops them (reason ``fenced``) until the generator catches up. It is
+unfenced (removed from the record) as soon as it acks a version at least as new as the latest published one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from topics.schemas import Membership, VersionAck
+
+FENCED_KEY = "fenced"
+
+
+@dataclass(slots=True)
+class Member:
+    generator_id: str
+    session: str = ""  # pair-group name of the current join (collective transports)
+    joined_at: float = 0.0
+    last_seen: float = 0.0
+    acked_version: int = -1
+    acked_at: float = 0.0
+    host: str = ""
+    pid: int = 0
+    state: Any = None  # transport state owned by the publisher (pair group, sender thread)
+
+
+@dataclass(slots=True)
+class Fence:
+    last_acked_version: int
+    fenced_at: float
+    missed_version: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"last_acked_version": self.last_acked_version, "fenced_at": self.fenced_at,
+                "missed_version": self.missed_version}
+
+
+@dataclass(slots=True)
+class Registry:
+    """Members, their acks and the fencing table, driven by membership and ack messages."""
+
+    member_timeout_s: float = 10.0
+    members: dict[str, Member] = field(default_factory=dict)
+    fenced: dict[str, Fence] = field(default_factory=dict)
+    latest_version: int = -1
+
+    @staticmethod
+    def session_of(msg: Membership) -> str:
+        """The pair-group name for one join: unique per generator process and join."""
+        return f"{msg.generator_id}/{msg.pid}/{msg.created_at:.6f}"
+
+    def on_membership(self, msg: Membership, *, now: float | None = None) -> Member | None:
+        """Apply a join, heartbeat or leave; returns the member (None after a leave)."""
+        now = time.time() if now is None else now
+        if msg.event == "leave":
+            self.members.pop(msg.generator_id, None)
+            return None
+        m = self.members.get(msg.generator_id)
+        if m is None:
+            m = self.members[msg.generator_id] = Member(msg.generator_id, joined_at=now)
+        if msg.event == "join":
+            m.session = self.session_of(msg)
+            m.joined_at = now
+            m.host, m.pid = msg.host, msg.pid
+        if msg.version > m.acked_version:
+            m.acked_version = msg.version
+        m.last_seen = now
+        return m
+
+    def on_ack(self, ack: VersionAck, *, now: float | None = None) -> bool:
+        """Record an ack; returns True when it unfenced the generator."""
+        now = time.time() if now is None else now
+        m = self.members.get(ack.generator_id)
+        if m is not None:
+            m.last_seen = now
+            if ack.ok and ack.version > m.acked_version:
+                m.acked_version, m.acked_at = ack.version, now
+        if ack.ok and ack.generator_id in self.fenced and ack.version >= self.latest_version:
+            del self.fenced[ack.generator_id]
+            return True
+        return False
+
+    def expire(self, *, now: float | None = None) -> list[Member]:
+        """Drop members silent for longer than ``member_timeout_s``; returns them."""
+        now = time.time() if now is None else now
+        gone = [m for m in self.members.values() if now - m.last_seen > self.member_timeout_s]
+        for m in gone:
+            del self.members[m.generator_id]
+        return gone
+
+    def acked(self, generator_id: str, version: int) -> bool:
+        m = self.members.get(generator_id)
+        return m is not None and m.acked_version >= version
+
+    def fence(self, generator_id: str, missed_version: int, *, now: float | None = None) -> Fence:
+        now = time.time() if now is None else now
+        m = self.members.get(generator_id)
+        last = m.acked_version if m is not None else -1
+        prior = self.fenced.get(generator_id)
+        if prior is not None:  # keep the first missed version; the last ack may have moved
+            prior.last_acked_version = max(prior.last_acked_version, last)
+            return prior
+        f = self.fenced[generator_id] = Fence(last, now, missed_version)
+        return f
+
+    def fenced_json(self) -> bytes:
+        return orjson.dumps({gid: f.to_json() for gid, f in sorted(self.fenced.items())})
+
+    def load_fenced(self, data: bytes | None) -> None:
+        self.fenced = {gid: Fence(int(v["last_acked_version"]), float(v["fenced_at"]), int(v["missed_version"]))
+                       for gid, v in (orjson.loads(data) if data else {}).items()}
+
+
+def parse_fenced(data: bytes | None) -> dict[str, int]:
+    """The buffer's view of the fencing record: ``{generator_id: last_acked_version}``."""
+    return {gid: int(v["last_acked_version"]) for gid, v in (orjson.loads(data) if data else {}).items()}

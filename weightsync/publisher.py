@@ -1,0 +1,397 @@
+"""Trainer side of weight sync: publish a new policy version to every generator, with deadlines and fencing.
+
+``WeightPublisher.publish(version=, step=, named_tensors=, batch_ids=)`` runs one *round*:
+
+1. snapshot: the Hugging Face-named tensors are copied into flat buckets (``weightsync/wire.py``), so training
+   may go on while the copy travels (``submit`` returns right after this step: the overlap handle);
+2. transport: ``file`` writes ``<shared_dir>/v<version>/model.safetensors``; ``gloo``/``nccl`` queue a push of the
+   snapshot on every member's pair group (one sender thread per generator, so a slow or dead one delays nobody);
+3. the ``PolicyVersion`` is written to the KV store with compare-and-set (``StaleWriter`` if another trainer wrote
+   first) which also notifies ``names.policy_subject``;
+4. acks (``VersionAck`` on ``names.ack_subject``) are collected until every targeted member acked or
+   ``ack_deadline_s`` passed; a member whose push failed or that did not ack is fenced (``members.py`` documents
+   the ``fenced`` key in the policy bucket that the buffer reads);
+5. a provenance line goes to ``<run_dir>/weightsync/versions.jsonl``.
+
+Rounds are serialised; ``publish`` awaits the round, ``submit`` returns a task after the snapshot. No step waits
+on a peer without a bound: rendezvous and pushes are bounded by ``timeout_s`` (gloo raises), the round by
+``ack_deadline_s``. Timeouts, failed pushes and fencings are logged and counted in ``counters``.
+
+Membership (``names.membership_subject``): ``join`` arrives as a NATS request; the publisher starts its side of the
+generator's pair-group rendezvous, queues a push of the latest snapshot (so a late joiner catches up at once), and
+replies with the latest ``PolicyVersion`` (``version=-1`` if none was pushed by this trainer yet). ``heartbeat``
+keeps a member alive, ``leave`` removes it; a member silent for ``member_timeout_s`` is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+from topics import codec
+from topics.errors import StreamforgeError
+from topics.names import Names
+from topics.nats import PolicyStore, publish_msg
+from topics.schemas import Membership, PolicyVersion, VersionAck
+from weightsync.collective import Rendezvous, send_push, trainer_pair
+from weightsync.config import WeightSyncConfig
+from weightsync.files import write_version
+from weightsync.members import FENCED_KEY, Member, Registry
+from weightsync.wire import Snapshot, pack
+
+log = logging.getLogger("streamforge.weightsync.publisher")
+
+
+class VersionRegression(StreamforgeError):
+    """A version not newer than the one already in the store; continue from ``publisher.latest_version + 1``."""
+
+    retriable = False
+
+
+@dataclass(slots=True)
+class _Pair:
+    """The trainer's end of one generator's pair group: its sender thread and the group (once rendezvous is done)."""
+
+    session: str
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "weightsync-send"))
+    group: Future | None = None
+    broken: bool = False
+
+    def close(self) -> None:
+        self.broken = True
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _metric(key: str, value: float) -> None:
+    try:
+        from streamforge.metrics import record_metric
+    except ImportError:
+        return
+    record_metric(key, value)
+
+
+class WeightPublisher:
+    """Makes each new policy version available to the generators; see the module docstring for a round."""
+
+    def __init__(self, cfg: WeightSyncConfig, *, nc: Any, names: Names, run_dir: Path,
+                 trainer_id: str = "trainer") -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.names = names
+        self.run_dir = Path(run_dir)
+        self.trainer_id = trainer_id
+        self.transport = cfg.resolved_transport()
+        self.shared_dir = Path(cfg.shared_dir) if cfg.shared_dir else self.run_dir / "weights"
+        self.store = PolicyStore(nc, names)
+        self.registry = Registry(member_timeout_s=cfg.member_timeout_s)
+        self.counters: Counter[str] = Counter()
+        self.latest_version = -1
+        self._rev = 0
+        self._latest: Snapshot | None = None
+        self._latest_pv: PolicyVersion | None = None
+        self._rdzv: Rendezvous | None = None
+        self._lock = asyncio.Lock()
+        self._round: asyncio.Task | None = None
+        self._waiting: set[str] = set()
+        self._round_version = -1
+        self._acks_done = asyncio.Event()
+        self._round_acks: dict[str, dict[str, Any]] = {}
+        self._subs: list[Any] = []
+        self._bg: set[asyncio.Task] = set()
+        self._started = False
+        self._stopped = False
+
+    @property
+    def collective(self) -> bool:
+        return self.transport in ("gloo", "nccl")
+
+    @property
+    def address(self) -> str:
+        return self._rdzv.address if self._rdzv else ""
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self.store.start()
+        pv, self._rev = await self.store.latest()
+        self.latest_version = pv.version if pv is not None else -1
+        self.registry.latest_version = self.latest_version
+        self.registry.load_fenced(await self.store.get(FENCED_KEY))
+        if self.collective:
+            self._rdzv = await asyncio.to_thread(Rendezvous, self.cfg.host, self.cfg.port,
+                                                 timeout_s=self.cfg.timeout_s)
+        self._subs.append(await self.nc.subscribe(self.names.membership_subject, cb=self._on_membership))
+        self._subs.append(await self.nc.subscribe(self.names.ack_subject, cb=self._on_ack))
+        (self.run_dir / "weightsync").mkdir(parents=True, exist_ok=True)
+        log.info("weight publisher %s: transport %s%s, latest version %d", self.trainer_id, self.transport,
+                 f" at {self.address}" if self._rdzv else "", self.latest_version)
+
+    async def stop(self) -> None:
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        if self._round is not None and not self._round.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self._round), self.cfg.ack_deadline_s + 1)
+            except (asyncio.TimeoutError, Exception):
+                self._round.cancel()
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+        for task in list(self._bg):
+            task.cancel()
+        for m in self.registry.members.values():
+            if isinstance(m.state, _Pair):
+                m.state.close()
+        if self._rdzv is not None:
+            self._rdzv.close()
+
+    async def __aenter__(self) -> WeightPublisher:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- publication ----------------------------------------------------------------------------
+    async def publish(self, *, version: int, step: int,
+                      named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                      batch_ids: list[str]) -> PolicyVersion:
+        """Run one round (see the module docstring) and return the published ``PolicyVersion``."""
+        return await (await self.submit(version=version, step=step, named_tensors=named_tensors,
+                                        batch_ids=batch_ids))
+
+    async def submit(self, *, version: int, step: int,
+                     named_tensors: Callable[[], Iterable[tuple[str, torch.Tensor]]],
+                     batch_ids: list[str]) -> asyncio.Task[PolicyVersion]:
+        """Snapshot the weights now and return the round as a task, so the caller's next step overlaps it.
+
+        The snapshot is taken in the caller's thread (a DTensor's ``full_tensor()`` is a collective every rank
+        must run in the same order). Rounds run one at a time, in submission order.
+        """
+        if not self._started or self._stopped:
+            raise RuntimeError("WeightPublisher is not running")
+        if version <= self.latest_version:
+            raise VersionRegression(f"version {version} is not newer than the published {self.latest_version}")
+        self.latest_version = version
+        t0 = time.perf_counter()
+        snapshot = pack(named_tensors(), version=version, step=step, bucket_bytes=self.cfg.bucket_bytes)
+        snapshot_s = time.perf_counter() - t0
+        previous = self._round
+        self._round = asyncio.ensure_future(self._run_round(previous, snapshot, list(batch_ids), snapshot_s))
+        return self._round
+
+    async def _run_round(self, previous: asyncio.Task | None, snapshot: Snapshot, batch_ids: list[str],
+                         snapshot_s: float) -> PolicyVersion:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        t0 = time.perf_counter()
+        version = snapshot.version
+        pv = PolicyVersion(version=version, step=snapshot.layout.step, transport=self.transport,
+                           trainer_id=self.trainer_id, batch_ids=batch_ids)
+        if self.transport == "file":
+            pv.path = str(await asyncio.to_thread(write_version, self.shared_dir, snapshot,
+                                                  keep=self.cfg.keep_versions))
+        else:
+            pv.address = self.address
+        sends: dict[str, asyncio.Future] = {}
+        async with self._lock:
+            for m in self.registry.expire():
+                log.warning("generator %s silent for %.0f s: dropped from membership", m.generator_id,
+                            self.cfg.member_timeout_s)
+                self.counters["members_expired"] += 1
+                self._close_member(m)
+            targets = [m for m in self.registry.members.values() if not self.collective or self._reachable(m)]
+            if self.collective:
+                self._latest = snapshot
+                for m in targets:
+                    sends[m.generator_id] = self._queue_push(m, snapshot)
+            self._round_version = version
+            self._round_acks = {}
+            self._waiting = {m.generator_id for m in targets if not self.registry.acked(m.generator_id, version)}
+            self._acks_done = asyncio.Event()
+            if not self._waiting:
+                self._acks_done.set()
+            self.registry.latest_version = version
+            self._rev = await self.store.publish(pv, expected_revision=self._rev)
+            self._latest_pv = pv
+        for gid, fut in sends.items():
+            fut.add_done_callback(lambda f, gid=gid: self._on_push_done(gid, version, f))
+        try:
+            await asyncio.wait_for(self._acks_done.wait(), self.cfg.ack_deadline_s)
+        except asyncio.TimeoutError:
+            late = sorted(self._waiting)
+            log.warning("version %d: no ack within %.1f s from %s: fencing", version, self.cfg.ack_deadline_s, late)
+            self.counters["ack_timeouts"] += len(late)
+            for gid in late:
+                self._fence(gid, version)
+        self._waiting = set()
+        await self._write_fenced()
+        round_s = time.perf_counter() - t0
+        self.counters["rounds"] += 1
+        _metric("weightsync/round_s", round_s)
+        _metric("weightsync/snapshot_s", snapshot_s)
+        self._provenance(pv, snapshot, targets=[m.generator_id for m in targets], round_s=round_s,
+                         snapshot_s=snapshot_s)
+        return pv
+
+    # -- transport --------------------------------------------------------------------------------
+    def _reachable(self, m: Member) -> bool:
+        return isinstance(m.state, _Pair) and not m.state.broken
+
+    def _queue_push(self, m: Member, snapshot: Snapshot) -> asyncio.Future:
+        pair: _Pair = m.state
+        peer = m.generator_id
+        timeout = self.cfg.timeout_s
+
+        def push() -> float:
+            if pair.broken:
+                raise RuntimeError("pair group already broken")
+            assert pair.group is not None
+            group = pair.group.result(timeout=timeout)
+            return send_push(group, snapshot, peer=peer)
+
+        return asyncio.wrap_future(pair.executor.submit(push))
+
+    def _on_push_done(self, gid: str, version: int, fut: asyncio.Future) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        m = self.registry.members.get(gid)
+        if exc is None:
+            self.counters["pushes"] += 1
+            _metric("weightsync/push_s", fut.result())
+            return
+        kind = "timeouts" if "imeout" in str(exc) or isinstance(exc, TimeoutError) else "transfer_failures"
+        self.counters[kind] += 1
+        log.warning("version %d: push to %s failed (%s: %s); dropping its pair group and fencing it", version,
+                    gid, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        if m is not None and isinstance(m.state, _Pair):
+            m.state.close()
+        if version == self._round_version and gid in self._waiting and not self.registry.acked(gid, version):
+            self._fence(gid, version)
+            self._done_waiting(gid)
+
+    def _close_member(self, m: Member) -> None:
+        if isinstance(m.state, _Pair):
+            m.state.close()
+        m.state = None
+
+    # -- membership and acks -------------------------------------------------------------------
+    async def _on_membership(self, msg: Any) -> None:
+        try:
+            mem = codec.decode(msg.data, expect=Membership)
+        except Exception as exc:
+            log.warning("bad membership message: %s", exc)
+            self.counters["bad_messages"] += 1
+            return
+        async with self._lock:
+            previous = self.registry.members.get(mem.generator_id)
+            old_state = previous.state if previous is not None else None
+            m = self.registry.on_membership(mem)
+            if mem.event == "leave":
+                log.info("generator %s left", mem.generator_id)
+                self._waiting.discard(mem.generator_id)
+                if isinstance(old_state, _Pair):
+                    old_state.close()
+                if not self._waiting:
+                    self._acks_done.set()
+                return
+            if mem.event != "join" or m is None:
+                return
+            log.info("generator %s joined (pid %d, version %d)", mem.generator_id, mem.pid, mem.version)
+            if isinstance(old_state, _Pair):
+                old_state.close()
+            m.state = None
+            reply = self._latest_pv
+            if self.collective and self._rdzv is not None:
+                pair = _Pair(session=m.session)
+                pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s)
+                m.state = pair
+                if self._latest is not None and self._latest.version > mem.version:
+                    fut = self._queue_push(m, self._latest)
+                    v = self._latest.version
+                    fut.add_done_callback(lambda f, gid=m.generator_id, v=v: self._on_push_done(gid, v, f))
+                else:
+                    reply = None
+        if msg.reply:
+            if reply is None:
+                reply = PolicyVersion(version=-1, step=-1, transport=self.transport, address=self.address,
+                                      trainer_id=self.trainer_id)
+            await publish_msg(self.nc, msg.reply, reply)
+
+    async def _on_ack(self, msg: Any) -> None:
+        try:
+            ack = codec.decode(msg.data, expect=VersionAck)
+        except Exception as exc:
+            log.warning("bad ack message: %s", exc)
+            self.counters["bad_messages"] += 1
+            return
+        unfenced = self.registry.on_ack(ack)
+        if unfenced:
+            log.info("generator %s caught up at version %d: unfenced", ack.generator_id, ack.version)
+            self._spawn(self._write_fenced())
+        if ack.version == self._round_version:
+            self._round_acks[ack.generator_id] = {"ok": ack.ok, "pause_ms": ack.pause_ms,
+                                                  "transfer_ms": ack.transfer_ms, "at": ack.created_at,
+                                                  "error": ack.error}
+        if ack.version >= self._round_version and ack.generator_id in self._waiting:
+            if not ack.ok:
+                log.warning("generator %s failed to load version %d: %s", ack.generator_id, ack.version, ack.error)
+                self.counters["load_failures"] += 1
+                self._fence(ack.generator_id, ack.version)
+            self._done_waiting(ack.generator_id)
+
+    def _done_waiting(self, gid: str) -> None:
+        self._waiting.discard(gid)
+        if not self._waiting:
+            self._acks_done.set()
+
+    def _fence(self, gid: str, version: int) -> None:
+        if gid not in self.registry.fenced:
+            self.counters["fenced"] += 1
+            log.warning("generator %s fenced at version %d", gid, version)
+        self.registry.fence(gid, version)
+
+    async def _write_fenced(self) -> None:
+        try:
+            await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.cfg.timeout_s)
+        except Exception as exc:  # never fail a round on the bookkeeping write; it is retried next round
+            self.counters["kv_failures"] += 1
+            log.warning("could not write the fencing record: %s", exc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    def _provenance(self, pv: PolicyVersion, snapshot: Snapshot, *, targets: list[str], round_s: float,
+                    snapshot_s: float) -> None:
+        line = {"version": pv.version, "step": pv.step, "transport": pv.transport, "path": pv.path,
+                "address": pv.address, "trainer_id": pv.trainer_id, "batch_ids": pv.batch_ids,
+                "published_at": pv.created_at, "bytes": snapshot.nbytes, "targets": targets,
+                "acks": self._round_acks, "fenced": sorted(self.registry.fenced), "round_s": round_s,
+                "snapshot_s": snapshot_s}
+        with open(self.run_dir / "weightsync" / "versions.jsonl", "ab") as f:
+            f.write(orjson.dumps(line) + b"\n")
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        """A status view: every member's acked version and whether it is fenced."""
+        return {gid: {"acked_version": m.acked_version, "last_seen": m.last_seen,
+                      "fenced": gid in self.registry.fenced,
+                      "connected": self._reachable(m) if self.collective else True}
+                for gid, m in self.registry.members.items()}
