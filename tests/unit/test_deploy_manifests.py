@@ -1,0 +1,438 @@
+"""deploy/ stays deployable: every YAML parses, the Kubernetes objects and compose services are well formed, and
+every ``STREAMFORGE_*`` variable they set is a real config key (``streamforge.config.env_overrides``) or a secret
+the code reads by name, set from a Secret and never inline. Each role's full environment plus the run config it
+mounts must load with ``load_config``, so a wrong value type fails here and not at deploy time.
+``docker compose config`` runs only where a Docker engine answers.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import tempfile
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from streamforge.config import _NON_CONFIG_ENV, ENV_PREFIX, env_overrides, load_config
+from topics.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+COMPOSE_DIR = DEPLOY / "compose"
+COMPOSE = COMPOSE_DIR / "docker-compose.yml"
+COMPOSE_GPU = COMPOSE_DIR / "docker-compose.gpu.yml"
+ROLES = {"feeder", "generator", "buffer", "trainer"}
+# Secrets the code reads by name (never config keys): they must come from a Secret, never inline.
+SECRET_ENV = {ENV_PREFIX + n.upper() for n in _NON_CONFIG_ENV if n.endswith(("password", "token"))}
+IMAGE = "streamforge"
+
+# Fields each kind must have besides apiVersion/kind/metadata; an unlisted kind fails until it is reviewed here.
+K8S_REQUIRED = {
+    "Namespace": (), "ConfigMap": ("data",), "Secret": (), "Service": ("spec",),
+    "Deployment": ("spec",), "StatefulSet": ("spec",), "Job": ("spec",),
+}
+NAMESPACED = set(K8S_REQUIRED) - {"Namespace"}
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def load_docs(path: Path) -> list[Any]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def yaml_files() -> list[Path]:
+    return sorted([*DEPLOY.rglob("*.yaml"), *DEPLOY.rglob("*.yml")])
+
+
+def k8s_objects(directory: Path = K8S / "base", *, examples: bool = True) -> list[dict]:
+    out = []
+    for path in sorted(directory.glob("*.yaml")):
+        if path.name == "kustomization.yaml" or (not examples and ".example." in path.name):
+            continue
+        out += load_docs(path)
+    return out
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def pod_spec(obj: dict) -> dict:
+    return obj["spec"]["template"]["spec"]
+
+
+def role_of(args: list[str]) -> str | None:
+    return args[2] if args[:2] == ["streamforge", "run"] and len(args) > 2 else None
+
+
+def check_env_names(names: list[str], where: str) -> None:
+    """Each STREAMFORGE_* name is a config key or a secret read by name (env_overrides raises otherwise)."""
+    for name in names:
+        if not name.startswith(ENV_PREFIX):
+            continue
+        try:
+            env_overrides({name: "x"})
+        except ConfigError as exc:
+            pytest.fail(f"{where}: {name} is not a streamforge config key: {exc}")
+
+
+# -- every file --------------------------------------------------------------------------------------
+
+def test_deploy_tree_has_every_piece():
+    for rel in ("docker/Dockerfile.cpu", "docker/Dockerfile.gpu", "compose/docker-compose.yml", "compose/run.yaml",
+                "k8s/base/kustomization.yaml", "k8s/gpu/kustomization.yaml", "README.md"):
+        assert (DEPLOY / rel).is_file(), rel
+
+
+@pytest.mark.parametrize("path", yaml_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_yaml_parses_to_mappings(path):
+    docs = load_docs(path)
+    assert docs and all(isinstance(d, dict) for d in docs)
+
+
+def test_readme_lists_every_deploy_file():
+    readme = (DEPLOY / "README.md").read_text()
+    missing = [str(p.relative_to(DEPLOY)) for p in sorted(DEPLOY.rglob("*")) if p.is_file() and p.name != "README.md"
+               and str(p.relative_to(DEPLOY)) not in readme]
+    assert not missing, f"deploy/README.md does not mention {missing}"
+
+
+# -- Kubernetes --------------------------------------------------------------------------------------
+
+def test_kustomizations_list_existing_files_and_every_manifest():
+    base = load_docs(K8S / "base" / "kustomization.yaml")[0]
+    assert base["kind"] == "Kustomization"
+    listed = set(base["resources"])
+    on_disk = {p.name for p in (K8S / "base").glob("*.yaml")} - {"kustomization.yaml"}
+    examples = {n for n in on_disk if ".example." in n}
+    assert listed == on_disk - examples, "base kustomization resources differ from the manifests on disk"
+    assert examples, "the secrets example documents the Secret names the pods reference"
+    gpu = load_docs(K8S / "gpu" / "kustomization.yaml")[0]
+    assert gpu["resources"] == ["../base"]
+    for patch in gpu["patches"]:
+        assert (K8S / "gpu" / patch["path"]).is_file()
+    assert {i["name"] for i in gpu["images"]} == {IMAGE}
+
+
+@pytest.mark.parametrize("path", sorted(K8S.rglob("*.yaml")), ids=lambda p: str(p.relative_to(K8S)))
+def test_k8s_objects_are_well_formed(path):
+    for obj in load_docs(path):
+        if obj.get("kind") == "Kustomization":
+            assert obj["apiVersion"].startswith("kustomize.config.k8s.io/")
+            continue
+        for key in ("apiVersion", "kind", "metadata"):
+            assert key in obj, f"{path.name}: missing {key}"
+        assert obj["kind"] in K8S_REQUIRED, f"{path.name}: kind {obj['kind']} not reviewed in K8S_REQUIRED"
+        if path.parent.name == "gpu":
+            continue  # strategic-merge patches: partial objects, checked against base below
+        for key in K8S_REQUIRED[obj["kind"]]:
+            assert key in obj, f"{path.name}: {obj['kind']} needs {key}"
+        assert DNS_1123.match(obj["metadata"]["name"]), obj["metadata"]["name"]
+        if obj["kind"] in NAMESPACED:
+            assert obj["metadata"].get("namespace") == "streamforge", f"{obj['metadata']['name']}: namespace"
+
+
+def test_k8s_has_the_agreed_workloads():
+    objs = k8s_objects()
+    roles = {}
+    for obj in objs:
+        if obj["kind"] in ("Deployment", "StatefulSet", "Job"):
+            for c in pod_spec(obj)["containers"]:
+                if role := role_of(c.get("args", [])):
+                    roles[role] = obj["kind"]
+    assert roles == {"generator": "Deployment", "buffer": "Deployment", "trainer": "StatefulSet", "feeder": "Job"}
+    jobs = [c["args"] for j in by_kind(objs, "Job").values() for c in pod_spec(j)["containers"]]
+    assert any(a[:3] == ["streamforge", "topics", "create"] for a in jobs), "a Job creates the topics"
+
+
+def test_k8s_workloads_are_consistent():
+    objs = k8s_objects()
+    config_maps, secrets = by_kind(objs, "ConfigMap"), by_kind(objs, "Secret")
+    for kind in ("Deployment", "StatefulSet", "Job"):
+        for name, obj in by_kind(objs, kind).items():
+            spec, pod = obj["spec"], pod_spec(obj)
+            labels = obj["spec"]["template"]["metadata"]["labels"]
+            if kind != "Job":
+                assert spec["selector"]["matchLabels"].items() <= labels.items(), f"{name}: selector"
+            else:
+                assert pod["restartPolicy"] in ("OnFailure", "Never")
+            assert pod["securityContext"]["runAsNonRoot"] is True, f"{name} runs as root"
+            volumes = {v["name"]: v for v in pod.get("volumes", [])}
+            claims = {c["metadata"]["name"] for c in spec.get("volumeClaimTemplates", [])}
+            for v in volumes.values():
+                if "configMap" in v:
+                    assert v["configMap"]["name"] in config_maps, f"{name}: volume {v['name']}"
+                if "secret" in v:
+                    assert v["secret"]["secretName"] in secrets, f"{name}: volume {v['name']}"
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                where = f"{name}/{c['name']}"
+                assert c["image"].split(":")[0] == IMAGE, where
+                args = c.get("command", []) + c.get("args", [])
+                assert args and args[0] in ("streamforge", "python"), f"{where}: no streamforge command"
+                assert "memory" in c["resources"]["limits"], f"{where}: no memory limit"
+                for m in c.get("volumeMounts", []):
+                    assert m["name"] in volumes or m["name"] in claims, f"{where}: mount {m['name']}"
+                if "--config" in args:
+                    path = args[args.index("--config") + 1]
+                    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == path)
+                    assert "configMap" in volumes[mount["name"]], f"{where}: --config is not the ConfigMap"
+                for ref in c.get("envFrom", []):
+                    assert ref["configMapRef"]["name"] in config_maps, where
+                for env in c.get("env", []):
+                    ref = env.get("valueFrom", {}).get("secretKeyRef")
+                    if ref:
+                        assert ref["key"] in secrets[ref["name"]]["stringData"], f"{where}: {env['name']}"
+
+
+def test_trainer_statefulset_keeps_checkpoints_on_a_pvc():
+    objs = k8s_objects()
+    trainer = by_kind(objs, "StatefulSet")["streamforge-trainer"]
+    service = by_kind(objs, "Service")[trainer["spec"]["serviceName"]]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= trainer["spec"]["template"]["metadata"]["labels"].items()
+    assert trainer["spec"]["replicas"] == 1
+    claims = {c["metadata"]["name"] for c in trainer["spec"]["volumeClaimTemplates"]}
+    container = pod_spec(trainer)["containers"][0]
+    env = container_environ(container, by_kind(objs, "ConfigMap"))
+    config = load_config(run_yaml(objs), environ=env)
+    runs_mount = mount_for(container, config.run.run_dir)
+    assert runs_mount["name"] in claims, "checkpoints and ledger must live on the PVC"
+
+
+def run_yaml(objs: list[dict], tmp: Path | None = None) -> Path:
+    text = by_kind(objs, "ConfigMap")["streamforge-run"]["data"]["run.yaml"]
+    path = (tmp or Path(tempfile.mkdtemp())) / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def container_environ(container: dict, config_maps: dict[str, dict]) -> dict[str, str]:
+    """The environment a container sees: envFrom ConfigMaps, then env (valueFrom -> a placeholder)."""
+    env: dict[str, str] = {}
+    for ref in container.get("envFrom", []):
+        env.update({k: str(v) for k, v in config_maps[ref["configMapRef"]["name"]]["data"].items()})
+    for item in container.get("env", []):
+        env[item["name"]] = str(item["value"]) if "value" in item else "from-secret-or-field"
+    return env
+
+
+def mount_for(container: dict, path: str) -> dict:
+    mounts = [m for m in container["volumeMounts"] if path == m["mountPath"] or path.startswith(m["mountPath"] + "/")]
+    assert mounts, f"{container['name']}: {path} is on no mounted volume"
+    return max(mounts, key=lambda m: len(m["mountPath"]))
+
+
+def all_k8s_containers() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(K8S.rglob("*.yaml")):
+        for obj in load_docs(path):
+            if obj.get("kind") in ("Deployment", "StatefulSet", "Job"):
+                for c in pod_spec(obj).get("initContainers", []) + pod_spec(obj)["containers"]:
+                    out.append((f"{path.relative_to(K8S)}:{obj['metadata']['name']}/{c['name']}", c))
+    return out
+
+
+@pytest.mark.parametrize(("where", "container"), all_k8s_containers(), ids=lambda x: x if isinstance(x, str) else "")
+def test_k8s_env_names_are_config_keys_and_secrets_come_from_secrets(where, container):
+    check_env_names([e["name"] for e in container.get("env", [])], where)
+    for item in container.get("env", []):
+        if item["name"] in SECRET_ENV:
+            assert "secretKeyRef" in item.get("valueFrom", {}), f"{where}: {item['name']} must come from a Secret"
+
+
+def test_k8s_config_maps_hold_valid_config():
+    objs = k8s_objects()
+    env_map = by_kind(objs, "ConfigMap")["streamforge-env"]["data"]
+    check_env_names(list(env_map), "ConfigMap streamforge-env")
+    assert not set(env_map) & SECRET_ENV, "secrets never go in a ConfigMap"
+
+
+def test_each_k8s_role_loads_its_full_config(tmp_path):
+    objs = k8s_objects()
+    path = run_yaml(objs, tmp_path)
+    config_maps = by_kind(objs, "ConfigMap")
+    seen = set()
+    for kind in ("Deployment", "StatefulSet", "Job"):
+        for obj in by_kind(objs, kind).values():
+            for c in pod_spec(obj)["containers"]:
+                env = container_environ(c, config_maps)
+                config = load_config(path, environ=env)
+                assert config.kafka.sasl_password_env in env, "the Kafka password env the config names is set"
+                if role := role_of(c["args"]):
+                    seen.add(role)
+                    mount_for(c, config.run.run_dir)
+                    mount_for(c, config.model.path)
+    assert seen == ROLES
+
+
+def test_gpu_overlay_patches_existing_containers_with_gpus():
+    base = k8s_objects(examples=False)
+    for path in sorted((K8S / "gpu").glob("*-gpu.yaml")):
+        patch = load_docs(path)[0]
+        target = by_kind(base, patch["kind"]).get(patch["metadata"]["name"])
+        assert target is not None, f"{path.name} patches no base object"
+        names = {c["name"] for c in pod_spec(target)["containers"]}
+        for c in pod_spec(patch)["containers"]:
+            assert c["name"] in names, f"{path.name}: container {c['name']} not in base"
+            assert c["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    patched = {load_docs(p)[0]["metadata"]["name"] for p in (K8S / "gpu").glob("*-gpu.yaml")}
+    assert patched == {"streamforge-generator", "streamforge-trainer"}
+
+
+# -- docker compose ----------------------------------------------------------------------------------
+
+def compose() -> dict:
+    return load_docs(COMPOSE)[0]
+
+
+def service_env(service: dict) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: str(v) for k, v in env.items()}
+
+
+def test_compose_services_reference_what_exists():
+    doc = compose()
+    services, volumes = doc["services"], set(doc.get("volumes", {}))
+    for name, svc in services.items():
+        assert "image" in svc or "build" in svc, name
+        if "build" in svc:
+            dockerfile = (COMPOSE_DIR / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve()
+            assert dockerfile.is_file(), f"{name}: {dockerfile}"
+        for dep in svc.get("depends_on", {}):
+            assert dep in services and dep != name, f"{name} depends on unknown {dep}"
+        for vol in svc.get("volumes", []):
+            source = vol.split(":")[0]
+            if source.startswith((".", "/")):
+                assert (COMPOSE_DIR / source).exists(), f"{name}: bind source {source}"
+            else:
+                assert source in volumes, f"{name}: named volume {source} is not declared"
+        for key, value in service_env(svc).items():
+            assert "${" not in value, f"{name}: {key} relies on host interpolation"
+
+
+def test_compose_runs_kraft_kafka_nats_jetstream_and_every_role():
+    services = compose()["services"]
+    kafka = services["kafka"]
+    assert kafka["image"].startswith("apache/kafka:")
+    assert "controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]
+    assert kafka["environment"]["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    assert not any("zookeeper" in n for n in services)
+    nats = services["nats"]
+    assert nats["image"].startswith("nats:2.10")
+    assert "-js" in nats["command"]
+    store = nats["command"][nats["command"].index("-sd") + 1]
+    assert any(v.endswith(":" + store) for v in nats["volumes"])
+    roles = {role_of(s["command"]): n for n, s in services.items() if role_of(s.get("command", []))}
+    assert set(roles) == ROLES and all(roles[r] == r for r in ROLES)
+    images = {services[r]["image"] for r in ROLES} | {services["topics-init"]["image"]}
+    assert images == {"streamforge:cpu"}, "one image for every role"
+    assert services["topics-init"]["command"][:3] == ["streamforge", "topics", "create"]
+    for role in ROLES:
+        deps = services[role]["depends_on"]
+        assert deps["topics-init"]["condition"] == "service_completed_successfully", role
+
+
+@pytest.mark.parametrize("name", sorted(compose()["services"]))
+def test_compose_env_is_config_keys_and_loads(name, tmp_path):
+    svc = compose()["services"][name]
+    env = service_env(svc)
+    check_env_names(list(env), f"compose service {name}")
+    assert not set(env) & SECRET_ENV, f"{name}: pass secrets with an env_file or secrets, not inline"
+    command = svc.get("command", [])
+    if command[:1] == ["streamforge"]:
+        config_path = command[command.index("--config") + 1]
+        mount = next(v for v in svc["volumes"] if v.split(":")[1] == config_path)
+        config = load_config(COMPOSE_DIR / mount.split(":")[0], environ=env)
+        bootstrap_host = config.kafka.bootstrap.split(":")[0]
+        nats_host = config.nats.url.split("//")[1].split(":")[0]
+        assert {bootstrap_host, nats_host} <= set(compose()["services"]), "brokers are compose services"
+        mounted = [v.split(":")[1] for v in svc["volumes"]]
+        for path in (config.run.run_dir, config.model.path, config.weightsync.shared_dir):
+            assert any(path.startswith(m + "/") for m in mounted), f"{name}: {path} is on no volume"
+
+
+def test_compose_model_init_calls_the_tiny_model_builder():
+    command = compose()["services"]["model-init"]["command"]
+    assert command[:2] == ["python", "-c"]
+    tree = ast.parse((ROOT / "producers" / "tiny_model.py").read_text())
+    assert "build_tiny_model" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert "from producers.tiny_model import build_tiny_model" in command[2]
+
+
+def test_compose_gpu_override_targets_real_services():
+    base = compose()["services"]
+    override = load_docs(COMPOSE_GPU)[0]["services"]
+    assert set(override) <= set(base)
+    for name, svc in override.items():
+        assert (COMPOSE_DIR / svc["build"]["context"] / svc["build"]["dockerfile"]).resolve().is_file()
+        check_env_names(list(service_env(svc)), f"gpu override {name}")
+    for role in ("generator", "trainer"):
+        devices = override[role]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI on this machine")
+def test_docker_compose_config_accepts_the_files():
+    if subprocess.run(["docker", "info"], capture_output=True, timeout=30, check=False).returncode != 0:
+        pytest.skip("no Docker engine answers")
+    for files in ([COMPOSE], [COMPOSE, COMPOSE_GPU]):
+        args = [a for f in files for a in ("-f", str(f))]
+        done = subprocess.run(["docker", "compose", *args, "config", "-q"], capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+
+
+# -- every command is a real CLI invocation ---------------------------------------------------------
+
+def deploy_commands() -> list[tuple[str, list[str]]]:
+    out = [(f"compose:{n}", s["command"]) for n, s in compose()["services"].items()
+           if s.get("command", [None])[0] == "streamforge"]
+    out += [(w, c["args"]) for w, c in all_k8s_containers() if c.get("args", [None])[0] == "streamforge"]
+    return out
+
+
+@pytest.mark.parametrize(("where", "argv"), deploy_commands(), ids=lambda x: x if isinstance(x, str) else "")
+def test_deploy_commands_parse_with_the_cli(where, argv):
+    import click
+
+    from streamforge.cli import main
+    from streamforge.roles import ROLES as CLI_ROLES
+
+    command: click.Command = main
+    rest = argv[1:]
+    while isinstance(command, click.Group):
+        assert rest and rest[0] in command.commands, f"{where}: {argv} is not a streamforge command"
+        command, rest = command.commands[rest[0]], rest[1:]
+    ctx = command.make_context(argv[0], list(rest))
+    assert ctx.params.get("config_path") == "/etc/streamforge/run.yaml", where
+    assert not ctx.args, f"{where}: unparsed arguments {ctx.args}"
+    if command.name == "run":
+        assert ctx.params["role"] in CLI_ROLES, where
+
+
+# -- Dockerfiles -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flavor", ["cpu", "gpu"])
+def test_dockerfiles_install_the_package_with_its_extra(flavor):
+    text = (DEPLOY / "docker" / f"Dockerfile.{flavor}").read_text()
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert flavor in pyproject["project"]["optional-dependencies"]
+    assert f'".[{flavor}]"' in text
+    copied = {line.split()[1] for line in text.splitlines() if line.startswith("COPY ")}
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied, f"the image misses packages {packages - copied}"
+    assert {"pyproject.toml"} <= copied and all((ROOT / c).exists() for c in copied)
+    assert "USER streamforge" in text
+    ignore = (DEPLOY / "docker" / f"Dockerfile.{flavor}.dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("**") + 1:], "the build context is allow-listed"
+    if flavor == "cpu":
+        assert next(line for line in text.splitlines() if line.startswith("FROM ")) == "FROM python:3.11-slim"
+        assert "pip uninstall -y torchvision torchaudio torchcodec" in text
