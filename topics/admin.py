@@ -117,3 +117,33 @@ async def read_topic(cfg: KafkaConfig, topic: str, *, expect: type | None = None
     finally:
         with contextlib.suppress(Exception):
             await consumer.stop()
+
+
+async def highwaters(cfg: KafkaConfig, topic: str, *, timeout_s: float = 5.0) -> dict[int, int]:
+    """The high-water mark of every partition of ``topic`` (learned from a fetch; Tansu's end_offsets is wrong)."""
+    consumer = Consumer(cfg, [], group_id=None, client_id=f"{cfg.client_id}-hw")
+    await consumer.start()
+    try:
+        tps = await partitions_of(consumer, topic)
+        consumer.raw.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, 0)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            await consumer.raw.getmany(timeout_ms=200, max_records=1)
+            if all(consumer.highwater(tp) is not None for tp in tps):
+                break
+        return {tp.partition: consumer.highwater(tp) or 0 for tp in tps}
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+
+
+async def group_offsets(cfg: KafkaConfig, group_id: str) -> dict[tuple[str, int], int]:
+    """Committed offsets of a consumer group: ``{(topic, partition): next offset}``."""
+    admin = await _admin(cfg)
+    try:
+        offsets = await admin.list_consumer_group_offsets(group_id)
+    finally:
+        await admin.close()
+    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items() if meta.offset >= 0}

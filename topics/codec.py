@@ -28,7 +28,6 @@ from topics import schemas
 from topics.errors import CodecError, InvalidMessage, MalformedMessage, MessageTooLarge, UnknownSchema
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
-_ALLOWED_DTYPES = {"int32", "int64", "float32", "float16", "bfloat16", "uint8", "bool"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +103,8 @@ def _encode_tensor(name: str, arr: Any, spec: _FieldSpec) -> dict[str, Any]:
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     arr = np.ascontiguousarray(arr)
-    return {"dtype": spec.dtype, "shape": list(arr.shape), "data": memoryview(arr).cast("B")}
+    data = memoryview(arr).cast("B") if arr.size else b""
+    return {"dtype": spec.dtype, "shape": list(arr.shape), "data": data}
 
 
 def to_wire(msg: Any) -> dict[str, Any]:

@@ -1,0 +1,240 @@
+"""The ``streamforge`` command line. Thin: each command maps straight onto the config and a library call.
+
+Every command that takes ``--config`` also takes ``--section.key=value`` overrides after its arguments and reads
+``STREAMFORGE_*`` environment variables (see ``streamforge/config.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import orjson
+
+from topics.errors import BrokerUnavailable, ConfigError
+
+OVERRIDES = {"ignore_unknown_options": True, "allow_extra_args": True}
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("aiokafka", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _load(config: str | None, overrides: tuple[str, ...], extra: list[str] = ()) -> Any:  # type: ignore[assignment]
+    from streamforge.config import load_config
+
+    try:
+        return load_config(config, [*overrides, *extra])
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _run_async(coro: Any) -> Any:
+    from streamforge.lifecycle import install_uvloop
+
+    install_uvloop()
+    try:
+        return asyncio.run(coro)
+    except BrokerUnavailable as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """streamforge: asynchronous RL post-training for LLMs over Kafka and NATS."""
+
+
+@main.command()
+@click.option("--durable", is_flag=True, help="Tansu over a local SeaweedFS (survives restarts).")
+@click.option("--data-dir", type=click.Path(path_type=Path), default=None, help="Broker data (default: a temp dir).")
+@click.option("--kafka-port", type=int, default=0, help="0 = a free port.")
+@click.option("--nats-port", type=int, default=0, help="0 = a free port.")
+@click.option("--host", default="127.0.0.1")
+def brokers(durable: bool, data_dir: Path | None, kafka_port: int, nats_port: int, host: str) -> None:
+    """Start the embedded Kafka-protocol (Tansu) and NATS brokers; run until SIGINT/SIGTERM."""
+    import tempfile
+
+    from streamforge.brokers import EmbeddedBrokers
+
+    setup_logging()
+    data = data_dir or Path(tempfile.mkdtemp(prefix="streamforge-brokers-"))
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        b = EmbeddedBrokers(data, durable=durable, kafka_port=kafka_port, nats_port=nats_port, host=host)
+        await b.start()
+        try:
+            print(f"KAFKA_BOOTSTRAP={b.kafka_bootstrap}", flush=True)
+            print(f"NATS_URL={b.nats_url}", flush=True)
+            print(f"DATA_DIR={data}", flush=True)
+            waiter = asyncio.ensure_future(stop.wait())
+            while not stop.is_set():
+                await asyncio.wait([waiter], timeout=1.0)
+                dead = [n for n, ok in b.alive().items() if not ok]
+                if dead:
+                    raise click.ClickException(f"broker process(es) exited: {', '.join(dead)}")
+        finally:
+            b.stop()
+
+    _run_async(serve())
+
+
+@main.command(context_settings=OVERRIDES)
+@click.argument("role")
+@click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
+@click.pass_context
+def run(ctx: click.Context, role: str, config_path: str | None) -> None:
+    """Run one role process: feeder, generator, buffer or trainer."""
+    from streamforge.lifecycle import run_service
+    from streamforge.roles import RoleNotAvailable, role_class
+    from streamforge.telemetry import setup_tracing, shutdown_tracing
+
+    config = _load(config_path, tuple(ctx.args))
+    setup_logging(config.telemetry.log_level)
+    try:
+        cls = role_class(role)
+    except RoleNotAvailable as exc:
+        raise click.ClickException(str(exc)) from None
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    setup_tracing(role, config.run_dir, exporter=config.telemetry.traces,
+                  otlp_endpoint=config.telemetry.otlp_endpoint)
+    from streamforge.metrics import configure_metrics
+
+    configure_metrics(role, config.run_dir, config.telemetry.metrics)
+    try:
+        code = run_service(cls(config))
+    finally:
+        shutdown_tracing()
+    sys.exit(code)
+
+
+@main.command(context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None)
+@click.option("--run-dir", type=click.Path(path_type=Path), default=None, help="Overrides run.run_dir.")
+@click.pass_context
+def up(ctx: click.Context, config_path: str | None, run_dir: Path | None) -> None:
+    """Start brokers (unless external ones are configured) and every role; stop when training is done."""
+    from streamforge.up import run_up
+
+    extra = [f"--run.run_dir={run_dir}"] if run_dir else []
+    config = _load(config_path, tuple(ctx.args), extra)
+    setup_logging(config.telemetry.log_level)
+    sys.exit(run_up(config, config_path=config_path, overrides=list(ctx.args) + extra))
+
+
+@main.group()
+def topics() -> None:
+    """Create or describe the run's topics."""
+
+
+@topics.command("create", context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None)
+@click.pass_context
+def topics_create(ctx: click.Context, config_path: str | None) -> None:
+    """Create every topic of the run (configured partitions; existing ones are kept)."""
+    from topics.admin import ensure_topics
+
+    config = _load(config_path, tuple(ctx.args))
+    created = _run_async(ensure_topics(config.kafka, config.names, config.topics))
+    for name in config.names.topics():
+        click.echo(f"{name}\t{'created' if name in created else 'exists'}")
+
+
+@topics.command("describe", context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None)
+@click.pass_context
+def topics_describe(ctx: click.Context, config_path: str | None) -> None:
+    """Partitions and records per topic of the run."""
+    from topics.admin import describe_topics, highwaters
+
+    config = _load(config_path, tuple(ctx.args))
+
+    async def go() -> dict[str, Any]:
+        out = await describe_topics(config.kafka, config.names.topics())
+        for name, row in out.items():
+            if row.get("partitions"):
+                row["records"] = sum((await highwaters(config.kafka, name)).values())
+        return out
+
+    click.echo(orjson.dumps(_run_async(go()), option=orjson.OPT_INDENT_2).decode())
+
+
+@main.command(context_settings=OVERRIDES)
+@click.argument("topic")
+@click.option("--config", "config_path", type=click.Path(), default=None)
+@click.option("--follow", "-f", is_flag=True, help="Keep waiting for new messages.")
+@click.option("--max", "max_messages", type=int, default=0, help="Stop after N messages (0 = all).")
+@click.option("--full", is_flag=True, help="Print whole tensors instead of a summary.")
+@click.pass_context
+def tail(ctx: click.Context, topic: str, config_path: str | None, follow: bool, max_messages: int,
+         full: bool) -> None:
+    """Decode and print the messages of TOPIC (a short name like `episodes`, or a full topic name)."""
+    from streamforge.tail import tail as tail_topic
+
+    config = _load(config_path, tuple(ctx.args))
+    short = {t.split(".", 1)[1]: t for t in config.names.topics()}
+    name = short.get(topic, topic)
+    _run_async(tail_topic(config.kafka, name, follow=follow, max_messages=max_messages, full=full))
+
+
+@main.command(context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None)
+@click.option("--interval", type=float, default=1.0, help="Seconds between the two throughput samples.")
+@click.pass_context
+def status(ctx: click.Context, config_path: str | None, interval: float) -> None:
+    """Policy versions (latest, per generator), lag per topic, throughput."""
+    from streamforge.status import status as get_status
+
+    config = _load(config_path, tuple(ctx.args))
+    click.echo(orjson.dumps(_run_async(get_status(config, interval_s=interval)), option=orjson.OPT_INDENT_2).decode())
+
+
+@main.command(context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None)
+@click.pass_context
+def audit(ctx: click.Context, config_path: str | None) -> None:
+    """Reconcile produced, batched, trained and dropped episodes; writes <run_dir>/audit.json."""
+    try:
+        from buffer.audit import run_audit
+    except ImportError as exc:
+        raise click.ClickException(f"the audit is not built yet ({exc})") from None
+    config = _load(config_path, tuple(ctx.args))
+    result = _run_async(run_audit(config))
+    config.run_dir.mkdir(parents=True, exist_ok=True)
+    data = orjson.dumps(result, option=orjson.OPT_INDENT_2)
+    (config.run_dir / "audit.json").write_bytes(data)
+    click.echo(data.decode())
+    if result.get("lost") or result.get("trained_twice"):
+        sys.exit(1)
+
+
+@main.command()
+@click.option("--run-dir", type=click.Path(path_type=Path, exists=True), required=True)
+@click.argument("episode_id")
+def trace(run_dir: Path, episode_id: str) -> None:
+    """Print the path of one episode through the system as a tree with timings."""
+    from streamforge.traceview import render_episode_trace
+
+    text = render_episode_trace(run_dir / "traces.jsonl", episode_id)
+    if text is None:
+        raise click.ClickException(f"no span mentions episode {episode_id} in {run_dir / 'traces.jsonl'}")
+    click.echo(text)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

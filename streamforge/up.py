@@ -1,0 +1,231 @@
+"""``streamforge up``: brokers + feeder + N generators + buffer(s) + trainer as child processes of one command.
+
+Contract: starts the embedded brokers unless the config names external ones (``kafka.bootstrap`` and ``nats.url``),
+creates the run's topics, builds the tiny model when ``model.path`` is empty, then starts every role with
+``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``). It waits for the trainer to finish
+(``trainer.max_steps`` or ``trainer.reward_target``), then drains the other roles (SIGTERM, SIGKILL after
+``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
+why (exit code and the tail of its log) and stops the rest with exit code 1, or restarts it when
+``up.restart`` is set. First SIGINT/SIGTERM: graceful stop of everything; second: kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from streamforge.config import dump_config
+
+log = logging.getLogger("streamforge.up")
+
+
+@dataclass
+class Child:
+    name: str
+    role: str
+    argv: list[str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: float = field(default_factory=time.time)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
+        self.started_at = time.time()
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+
+def child_overrides(config: Any, *, kafka: str, nats: str, model_path: str) -> list[str]:
+    out = [f"--run.run_dir={config.run_dir}", f"--kafka.bootstrap={kafka}", f"--nats.url={nats}"]
+    if model_path:
+        out.append(f"--model.path={model_path}")
+    return out
+
+
+async def _stop_children(children: list[Child], timeout_s: float) -> None:
+    for c in children:
+        c.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(c.poll() is None for c in children):
+        await asyncio.sleep(0.2)
+    for c in children:
+        if c.poll() is None:
+            log.warning("%s did not drain within %.0f s; killing it", c.name, timeout_s)
+            c.signal(signal.SIGKILL)
+
+
+def _progress_line(run_dir: Path, seen: int) -> tuple[str | None, int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None, seen
+    lines = path.read_bytes().splitlines()
+    if len(lines) <= seen:
+        return None, seen
+    try:
+        row = orjson.loads(lines[-1])
+    except orjson.JSONDecodeError:
+        return None, seen
+    text = (f"step {row.get('step')}  version {row.get('policy_version')}  reward {row.get('reward_mean', 0):.3f}  "
+            f"loss {row.get('loss', 0):.4f}  staleness {row.get('staleness_mean', 0):.2f}  "
+            f"t {row.get('time_s', 0):.0f}s")
+    return text, len(lines)
+
+
+async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int:
+    from streamforge.brokers import EmbeddedBrokers
+    from topics.admin import ensure_topics
+
+    run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    embedded = None
+    if config.kafka.bootstrap and config.nats.url:
+        kafka, nats_url = config.kafka.bootstrap, config.nats.url
+    else:
+        data_dir = Path(config.brokers.data_dir) if config.brokers.data_dir else run_dir / "brokers"
+        embedded = EmbeddedBrokers(data_dir, durable=config.brokers.durable, kafka_port=config.brokers.kafka_port,
+                                   nats_port=config.brokers.nats_port, host=config.brokers.host)
+        await embedded.start()
+        kafka, nats_url = embedded.kafka_bootstrap, embedded.nats_url
+    print(f"KAFKA_BOOTSTRAP={kafka}\nNATS_URL={nats_url}\nRUN_DIR={run_dir}", flush=True)
+    children: list[Child] = []
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            print("stopping (again to kill)", flush=True)
+            stop.set()
+        else:
+            for c in children:
+                c.signal(signal.SIGKILL)
+            os._exit(130)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    code = 0
+    try:
+        config.kafka.bootstrap, config.nats.url = kafka, nats_url
+        await ensure_topics(config.kafka, config.names, config.topics)
+        model_path = config.model.path
+        if not model_path:
+            from producers.tiny_model import build_tiny_model
+
+            model_path = str(run_dir / "model")
+            if not (Path(model_path) / "config.json").exists():
+                build_tiny_model(model_path, seed=config.run.seed)
+        common = overrides + child_overrides(config, kafka=kafka, nats=nats_url, model_path=model_path)
+        base = [sys.executable, "-m", "streamforge", "run"]
+        cfg_args = ["--config", config_path] if config_path else []
+
+        def child(name: str, role: str, extra: list[str] = ()) -> Child:  # type: ignore[assignment]
+            return Child(name, role, [*base, role, *cfg_args, *common, *extra], run_dir / "logs" / f"{name}.log")
+
+        from streamforge.roles import RoleNotAvailable, role_class
+
+        missing = []
+        for role in ("feeder", "generator", "buffer", "trainer"):
+            try:
+                role_class(role)
+            except RoleNotAvailable as exc:
+                missing.append(str(exc))
+        if missing:
+            print("brokers are up and topics created, but not every role exists yet:\n  " + "\n  ".join(missing),
+                  flush=True)
+            return 2
+        trainer = child("trainer", "trainer")
+        children = [trainer, child("feeder", "feeder")]
+        children += [child(f"buffer-{i}", "buffer", [f"--buffer.buffer_id=buffer-{i}"])
+                     for i in range(config.up.buffers)]
+        children += [child(f"generator-{i}", "generator", [f"--generator.generator_id=generator-{i}"])
+                     for i in range(config.up.generators)]
+        for c in children:
+            c.start()
+        print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
+        seen = 0
+        waiter = asyncio.ensure_future(stop.wait())
+        while not stop.is_set():
+            await asyncio.wait([waiter], timeout=1.0)
+            line, seen = _progress_line(run_dir, seen)
+            if line:
+                print(line, flush=True)
+            rc = trainer.poll()
+            if rc == 0:
+                print("trainer finished", flush=True)
+                break
+            failed = [c for c in children if c.poll() is not None and (c is trainer or c.poll() != 0)]
+            failed += [c for c in children if c.poll() == 0 and c.role not in ("trainer", "feeder")]
+            if failed:
+                if config.up.restart:
+                    for c in failed:
+                        print(f"{c.name} exited with code {c.poll()}; restarting it", flush=True)
+                        c.restarts += 1
+                        c.start()
+                    continue
+                for c in failed:
+                    print(f"{c.name} exited with code {c.poll()}; last lines of {c.log_path}:\n{c.log_tail()}",
+                          file=sys.stderr, flush=True)
+                code = 1
+                break
+        waiter.cancel()
+    finally:
+        await _stop_children(children, config.up.drain_timeout_s)
+        if code == 0 and children:
+            await _finish(config)
+        if embedded is not None:
+            embedded.stop()
+    print(f"run directory: {run_dir}  (open reward.png, metrics.jsonl, traces.jsonl, audit.json)", flush=True)
+    return code
+
+
+async def _finish(config: Any) -> None:
+    from streamforge.plots import plot_run
+
+    try:
+        from buffer.audit import run_audit
+
+        result = await run_audit(config)
+        (config.run_dir / "audit.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
+        print("audit: " + orjson.dumps({k: result.get(k) for k in ("produced", "batched", "trained", "lost",
+                                                                   "trained_twice")}).decode(), flush=True)
+    except ImportError:
+        print("audit not available yet", flush=True)
+    plot_run(config.run_dir)
+
+
+def run_up(config: Any, *, config_path: str | None, overrides: list[str]) -> int:
+    from streamforge.lifecycle import install_uvloop
+
+    install_uvloop()
+    return asyncio.run(_up(config, config_path, overrides))

@@ -1,0 +1,157 @@
+"""Service lifecycle: idempotent start/stop, supervised loops, drain, and the two-stage signal runner."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from streamforge.lifecycle import Service
+from topics.errors import RoleCrashed
+
+
+class Counting(Service):
+    name = "counting"
+
+    def __init__(self, crash: bool = False) -> None:
+        super().__init__()
+        self.crash = crash
+        self.started = self.stopped = self.drained = 0
+        self.ticks = 0
+
+    async def _start(self) -> None:
+        self.started += 1
+
+    async def _stop(self) -> None:
+        self.stopped += 1
+
+    async def drain(self) -> None:
+        self.drained += 1
+
+    def loops(self):  # type: ignore[override]
+        return {"tick": self._tick()}
+
+    async def _tick(self) -> None:
+        while True:
+            self.ticks += 1
+            if self.crash and self.ticks == 3:
+                raise ValueError("boom")
+            await asyncio.sleep(0.01)
+
+
+async def test_start_stop_are_idempotent() -> None:
+    svc = Counting()
+    await svc.start()
+    await svc.start()
+    await svc.stop()
+    await svc.stop()
+    assert (svc.started, svc.stopped) == (1, 1)
+    async with Counting() as other:
+        assert other.started == 1
+    assert other.stopped == 1
+
+
+async def test_serve_drains_then_stops_on_request() -> None:
+    svc = Counting()
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.serve(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert svc.ticks > 0 and svc.drained == 1 and svc.stopped == 1
+
+
+async def test_a_crashed_loop_stops_the_service_with_a_clear_error() -> None:
+    svc = Counting(crash=True)
+    with pytest.raises(RoleCrashed) as err:
+        await asyncio.wait_for(svc.serve(asyncio.Event()), 5)
+    assert "tick" in str(err.value) and "boom" in str(err.value)
+    assert svc.stopped == 1 and svc.drained == 0
+
+
+async def test_a_loop_that_returns_is_a_crash() -> None:
+    class Returns(Service):
+        def loops(self):  # type: ignore[override]
+            async def done() -> None:
+                return None
+
+            return {"done": done()}
+
+    with pytest.raises(RoleCrashed, match="returned"):
+        await asyncio.wait_for(Returns().serve(), 5)
+
+
+SCRIPT = textwrap.dedent("""
+    import asyncio, sys
+    from streamforge.lifecycle import Service, run_service
+
+    class Slow(Service):
+        name = "slow"
+        drain_timeout_s = float(sys.argv[2])
+        def loops(self):
+            return {"work": self.work()}
+        async def work(self):
+            print("ready", flush=True)
+            while True:
+                if sys.argv[1] == "crash":
+                    raise RuntimeError("loop failed")
+                await asyncio.sleep(0.05)
+        async def drain(self):
+            print("draining", flush=True)
+            await asyncio.sleep(float(sys.argv[3]))
+            print("drained", flush=True)
+
+    sys.exit(run_service(Slow()))
+""")
+
+
+def _spawn(tmp_path: Path, mode: str, drain_timeout: float, drain_time: float) -> subprocess.Popen:
+    script = tmp_path / "svc.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([sys.executable, str(script), mode, str(drain_timeout), str(drain_time)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    if mode != "crash":
+        assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_first_signal_drains_and_exits_zero(tmp_path: Path, sig: int) -> None:
+    proc = _spawn(tmp_path, "run", 5.0, 0.1)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0
+    assert "drained" in out
+
+
+def test_drain_is_bounded_by_its_timeout(tmp_path: Path) -> None:
+    proc = _spawn(tmp_path, "run", 0.5, 30.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert proc.returncode == 0 and "draining" in out and "drained" not in out
+    assert time.monotonic() - t0 < 10
+
+
+def test_second_signal_forces_exit(tmp_path: Path) -> None:
+    proc = _spawn(tmp_path, "run", 60.0, 60.0)
+    proc.send_signal(signal.SIGINT)
+    assert proc.stdout.readline().strip() == "draining"
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=20)
+    assert proc.returncode == 130
+
+
+def test_crashed_loop_exits_one_with_message(tmp_path: Path) -> None:
+    proc = _spawn(tmp_path, "crash", 5.0, 0.0)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    assert "loop 'work' stopped unexpectedly" in err and "loop failed" in err
