@@ -1,0 +1,90 @@
+"""The trained-batch ledger (contract 5) and the per-step metrics file.
+
+``<run_dir>/trainer/ledger.jsonl``: one JSON line per optimizer step, appended and flushed (fsync) after the
+step: ``{"step": int, "policy_version": int, "batch_ids": [str], "time": float}``. On restart from a checkpoint at
+step ``s`` the trainer first rewrites the ledger without the lines of step > ``s`` (those steps are trained again,
+from the same offsets), so across crashes the ledger's batch ids never repeat and none is skipped.
+
+``<run_dir>/metrics.jsonl``: one JSON line per step with at least ``step, policy_version, time_s, reward_mean,
+loss, staleness_mean, episodes`` (plus kl, entropy, clip_fraction, grad_norm, tokens_per_s, lr...).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            break  # a torn last line from a crash mid-write: everything after it is gone too
+    return out
+
+
+class JsonlAppender:
+    """Append-only JSON lines, flushed and fsynced per line (a line is durable once ``append`` returns)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "ab")
+
+    def append(self, row: dict[str, Any]) -> None:
+        self._fh.write(orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self._fh.close()
+
+
+class Ledger(JsonlAppender):
+    """``<run_dir>/trainer/ledger.jsonl`` (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        super().__init__(Path(run_dir) / "trainer" / "ledger.jsonl")
+
+    def record(self, *, step: int, policy_version: int, batch_ids: list[str]) -> None:
+        self.append({"step": step, "policy_version": policy_version, "batch_ids": list(batch_ids),
+                     "time": time.time()})
+
+    @staticmethod
+    def read(run_dir: str | Path) -> list[dict[str, Any]]:
+        return _read_lines(Path(run_dir) / "trainer" / "ledger.jsonl")
+
+    @staticmethod
+    def truncate_after(run_dir: str | Path, step: int) -> int:
+        """Rewrite the ledger (atomically) without lines of step > ``step``; returns how many were removed."""
+        path = Path(run_dir) / "trainer" / "ledger.jsonl"
+        rows = _read_lines(path)
+        keep = [r for r in rows if int(r["step"]) <= step]
+        if not path.exists():
+            return 0
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in keep))
+        os.replace(tmp, path)
+        return len(rows) - len(keep)
+
+
+def truncate_metrics_after(path: str | Path, step: int) -> None:
+    """Drop metric rows of steps > ``step`` (re-trained after a restart), keeping the file a function of step."""
+    path = Path(path)
+    if not path.exists():
+        return
+    keep = [r for r in _read_lines(path) if int(r.get("step", 0)) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in keep))
+    os.replace(tmp, path)
