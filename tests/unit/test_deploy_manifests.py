@@ -482,8 +482,10 @@ def test_deploy_commands_parse_with_the_cli(where, argv):
 def test_dockerfiles_install_the_package_with_its_extra(flavor):
     text = (DEPLOY / "docker" / f"Dockerfile.{flavor}").read_text()
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert flavor in pyproject["project"]["optional-dependencies"]
-    assert f'".[{flavor}]"' in text
+    extras = re.findall(r'"\.\[([a-z,]+)\]"', text)
+    assert len(extras) == 1, "one `pip install .[extras]` of the package"
+    assert flavor in extras[0].split(",")
+    assert set(extras[0].split(",")) <= set(pyproject["project"]["optional-dependencies"])
     copied = {line.split()[1] for line in text.splitlines() if line.startswith("COPY ")}
     packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied, f"the image misses packages {packages - copied}"
