@@ -27,6 +27,9 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     seed: int = 0
+    logprobs_mode: str = "processed_logprobs"  # vLLM: "processed_logprobs" (after temperature etc.) | "raw_logprobs"
+    groups_per_version: int = 0  # >0: take at most (max_policy_lag+1)*this prompts per published version
+    poll_timeout_ms: int = 500  # longest wait for new prompts before re-checking stop and backpressure
 
     def __post_init__(self) -> None:
         if self.prompt_source not in ("topic", "local"):
@@ -47,6 +50,12 @@ class GeneratorConfig:
             raise ConfigError("generator.reward_weights", "needs one weight per reward")
         if self.reward_timeout_s <= 0:
             raise ConfigError("generator.reward_timeout_s", "must be positive")
+        if self.max_concurrent_prompts < 1:
+            raise ConfigError("generator.max_concurrent_prompts", "must be at least 1")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ConfigError("generator.logprobs_mode", "must be 'processed_logprobs' or 'raw_logprobs'")
+        if self.groups_per_version < 0:
+            raise ConfigError("generator.groups_per_version", "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

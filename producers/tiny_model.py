@@ -132,3 +132,29 @@ def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def ensure_model(model_path: str, run_dir: str | Path, *, seed: int = 0) -> Path:
+    """``model_path`` if set, else the tiny model in ``<run_dir>/model`` (built once; safe across processes).
+
+    Concurrent callers each build into a private temporary directory and rename it into place; the loser of the
+    rename keeps the winner's (identical, same seed) copy.
+    """
+    if model_path:
+        return Path(model_path)
+    import os
+    import shutil
+
+    target = Path(run_dir) / "model"
+    if (target / "tokenizer.json").is_file():
+        return target
+    tmp = target.with_name(f".model-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tmp, seed=seed)
+    try:
+        tmp.rename(target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "tokenizer.json").is_file():
+            raise
+    return target

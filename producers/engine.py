@@ -1,0 +1,208 @@
+"""The generator's inference engine: vLLM's ``AsyncLLM`` with per-token policy versions and a swap hook.
+
+``Engine(model_path, ...)`` owns one ``AsyncLLM`` (float32, eager; on CPU its KV cache is
+``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts). ``extra_args`` are more
+engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
+``weight_transfer_config``).
+
+``generate(prompt_token_ids, n, sampling)`` streams one request with ``n`` samples (one GRPO group) in DELTA
+mode and stamps every response token with ``engine.version`` at the moment that token arrived, so a weight swap
+in the middle of a sequence shows as a change of version inside one completion.
+
+``swap(version, load, mode="keep")`` is the weight hot-swap hook: ``pause_generation(mode)`` (``"keep"``
+freezes running requests in place, ``"wait"`` lets them finish first), ``await load(llm)``, set ``version``,
+``resume_generation()``; returns the pause in milliseconds. Swaps are serialised by a lock; the engine resumes
+even if ``load`` raises (the error propagates, the version is unchanged).
+
+Behaviour logprobs: ``logprobs_mode`` ``"processed_logprobs"`` (default) gives log-probabilities of the
+distribution actually sampled from (after temperature/top-k/top-p), so with ``temperature=1`` and no truncation
+they equal the model's raw log-softmax; a trainer using another temperature divides its logits by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("streamforge.engine")
+
+
+@dataclass(kw_only=True, slots=True)
+class Sampling:
+    """Sampling parameters of one request (one GRPO group)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample of a request: response tokens with their behaviour logprobs and policy versions."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = ""
+    first_token_s: float = 0.0  # seconds from submission to the first token
+    generate_s: float = 0.0  # seconds from submission to the last token
+
+
+class Engine:
+    """One vLLM ``AsyncLLM``. ``start()``/``stop()`` are idempotent; ``.llm`` is the engine, ``.version`` the policy."""
+
+    def __init__(self, model_path: str, *, version: int = 0, max_model_len: int = 256, seed: int = 0,
+                 kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
+                 logprobs_mode: str = "processed_logprobs", extra_args: dict[str, Any] | None = None) -> None:
+        self.model_path = str(model_path)
+        self.version = version
+        self.max_model_len = max_model_len
+        self.seed = seed
+        self.kv_cache_gib = kv_cache_gib
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.enforce_eager = enforce_eager
+        self.logprobs_mode = logprobs_mode
+        self.extra_args = dict(extra_args or {})
+        self.llm: Any = None
+        self._swap_lock = asyncio.Lock()
+        self._ids = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._stopped = False
+        self.swaps = 0
+        self.tokens_out = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine (16-25 s on CPU: this blocks the event loop, so start it before anything else)."""
+        if self.llm is not None or self._stopped:
+            return
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(self.kv_cache_gib))}")
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype="float32",
+            enforce_eager=self.enforce_eager,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            logprobs_mode=self.logprobs_mode,
+            disable_log_stats=True,
+            **self.extra_args,
+        )
+        t0 = time.monotonic()
+        self.llm = AsyncLLM.from_engine_args(args)
+        log.info("vLLM engine for %s ready in %.1f s", self.model_path, time.monotonic() - t0)
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()
+
+    async def __aenter__(self) -> Engine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.get_tokenizer()
+
+    # -- generation -----------------------------------------------------------------------------
+    def _params(self, n: int, sampling: Sampling) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            seed=sampling.seed,
+            logprobs=0,  # the sampled token's logprob only
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True,
+        )
+
+    async def generate(self, prompt_token_ids: Sequence[int], n: int, sampling: Sampling,
+                       *, request_id: str = "") -> list[Completion]:
+        """Sample ``n`` completions of one prompt, streaming; returns them ordered by index.
+
+        Waits on vLLM's output stream; each delta's tokens get the ``version`` current when the delta arrived.
+        Raises ``RuntimeError`` if the engine is not started; cancelling aborts the request in vLLM.
+        """
+        if self.llm is None:
+            raise RuntimeError("Engine.start() was not called")
+        request_id = request_id or f"{self._prefix}-{next(self._ids)}"
+        out = [Completion(index=i) for i in range(n)]
+        t0 = time.monotonic()
+        prompt = {"prompt_token_ids": [int(t) for t in prompt_token_ids]}
+        async for ro in self.llm.generate(prompt, self._params(n, sampling), request_id):
+            now = time.monotonic() - t0
+            version = self.version
+            for co in ro.outputs:
+                c = out[co.index]
+                new = list(co.token_ids)
+                if new:
+                    if not c.token_ids:
+                        c.first_token_s = now
+                    c.generate_s = now
+                    c.token_ids.extend(new)
+                    c.versions.extend([version] * len(new))
+                    c.logprobs.extend(_sampled_logprobs(co.logprobs, new))
+                    self.tokens_out += len(new)
+                c.text += co.text
+                if co.finish_reason is not None:
+                    c.finish_reason = str(co.finish_reason)
+        return out
+
+    # -- weight swap ----------------------------------------------------------------------------
+    async def swap(self, version: int, load: Callable[[Any], Awaitable[None]], *, mode: str = "keep") -> float:
+        """Pause generation, ``await load(llm)``, adopt ``version``, resume; returns the pause in ms.
+
+        ``mode="keep"`` freezes in-flight requests (their later tokens carry the new version); ``"wait"`` lets
+        them finish on the old weights first. Always resumes, even when ``load`` raises.
+        """
+        if self.llm is None:
+            raise RuntimeError("Engine.start() was not called")
+        async with self._swap_lock:
+            t0 = time.perf_counter()
+            # clear_cache: no request may reuse KV computed by the old weights (frozen ones are recomputed)
+            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            try:
+                await load(self.llm)
+                self.version = version
+                self.swaps += 1
+            finally:
+                await self.llm.resume_generation()
+            return (time.perf_counter() - t0) * 1000.0
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
+    """The logprob of each sampled token from vLLM's per-position ``{token_id: Logprob}`` dicts."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs must be set)")
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {len(logprobs)} logprob entries for {len(token_ids)} tokens")
+    return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
+

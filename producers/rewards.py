@@ -1,0 +1,229 @@
+"""Rewards: pluggable scoring functions combined with weights, bounded in time.
+
+A reward is ``fn(prompt: Prompt, response_text: str) -> float``. ``generator.rewards`` lists them by builtin
+name or import path ``"package.module:callable"``; ``generator.reward_weights`` weighs them (default 1.0 each):
+
+    reward = sum_i w_i * r_i(prompt, response_text)        components = {name_i: r_i}
+
+Builtins (``BUILTINS``):
+
+* ``toy``: the toy task's own score (``producers.tasks.TASKS[prompt.task]``), 0/1.
+* ``math``: the last ``\\boxed{...}`` or ``#### ...`` answer of the response against ``prompt.answer``; numbers
+  compare with a relative/absolute tolerance of 1e-6 (commas, ``$`` and ``%`` ignored), other answers as
+  normalised strings; 1.0 or 0.0.
+* ``format``: 1.0 if the response is ``<think>...</think>`` followed by a non-empty answer, else 0.0.
+* ``exact``: 1.0 if the stripped response equals the stripped ``prompt.answer``.
+* ``length``: ``-min(1, len(response_text) / budget)`` with ``budget = prompt.metadata.get("length_budget", 64)``
+  characters: a penalty in [-1, 0] to combine with a small weight.
+* ``reasoning_gym``: reasoning-gym's own verifier for the prompt's dataset
+  (``prompt.metadata["dataset"]`` and ``["entry"]``, as ``producers.sources`` writes them), applied to the
+  ``<answer>...</answer>`` of the response if it has one, else to the whole stripped response.
+
+A reward that raises, returns a non-finite number, or runs longer than ``timeout_s`` raises ``RewardFailed``
+(``reason`` = ``reward_error`` or ``reward_timeout``); the generator dead-letters that Episode and keeps going.
+Rewards run in a small thread pool so a slow one never blocks the event loop; a timed-out reward's thread cannot
+be killed and is abandoned (it finishes in the background, its result ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import math
+import re
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from producers.tasks import get_task
+from topics.errors import ConfigError, StreamforgeError
+from topics.schemas import Prompt
+
+RewardFn = Callable[[Prompt, str], float]
+
+
+class RewardFailed(StreamforgeError):
+    """A reward raised, returned a non-finite value, or timed out. ``reason`` is the dead-letter reason."""
+
+    retriable = False
+
+    def __init__(self, name: str, reason: str, detail: str) -> None:
+        super().__init__(f"reward {name!r}: {reason}: {detail}")
+        self.name = name
+        self.reason = reason
+        self.detail = detail
+
+
+# -- builtins ---------------------------------------------------------------------------------------------
+
+def toy_reward(prompt: Prompt, response_text: str) -> float:
+    return get_task(prompt.task).score(response_text, prompt.answer)
+
+
+def exact_match(prompt: Prompt, response_text: str) -> float:
+    return 1.0 if response_text.strip() == prompt.answer.strip() else 0.0
+
+
+def _boxed_contents(text: str) -> list[str]:
+    """Contents of every ``\\boxed{...}`` in ``text``, with nested braces balanced."""
+    out = []
+    for m in re.finditer(r"\\boxed\s*\{", text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            out.append(text[m.end():i - 1])
+    return out
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The last boxed answer, else the text after the last ``####`` (first line), else None."""
+    boxed = _boxed_contents(text)
+    if boxed:
+        return boxed[-1].strip()
+    hashes = re.findall(r"####\s*([^\n]*)", text)
+    if hashes:
+        return hashes[-1].strip()
+    return None
+
+
+def _as_number(text: str) -> float | None:
+    cleaned = re.sub(r"[,\s$%]", "", text).rstrip(".")
+    frac = re.fullmatch(r"(-?\d+)/(\d+)", cleaned)
+    if frac:
+        den = int(frac.group(2))
+        return int(frac.group(1)) / den if den else None
+    try:
+        value = float(cleaned)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().strip("$").strip()).lower()
+
+
+def answers_match(got: str, want: str, *, tol: float = 1e-6) -> bool:
+    a, b = _as_number(got), _as_number(want)
+    if a is not None and b is not None:
+        return math.isclose(a, b, rel_tol=tol, abs_tol=tol)
+    return _normalise(got) == _normalise(want)
+
+
+def math_answer(prompt: Prompt, response_text: str) -> float:
+    got = extract_math_answer(response_text)
+    want = extract_math_answer(prompt.answer) or prompt.answer
+    return 1.0 if got is not None and answers_match(got, want) else 0.0
+
+
+_THINK_RE = re.compile(r"^\s*<think>(.+?)</think>\s*(\S.*)$", re.DOTALL)
+
+
+def thinking_format(prompt: Prompt, response_text: str) -> float:
+    m = _THINK_RE.match(response_text)
+    return 1.0 if m and m.group(1).strip() and "<think>" not in m.group(2) else 0.0
+
+
+def length_penalty(prompt: Prompt, response_text: str) -> float:
+    budget = float(prompt.metadata.get("length_budget", 64)) if prompt.metadata else 64.0
+    return -min(1.0, len(response_text) / max(budget, 1.0))
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def reasoning_gym_reward(prompt: Prompt, response_text: str) -> float:
+    import reasoning_gym
+
+    meta = prompt.metadata or {}
+    dataset, entry = meta.get("dataset"), meta.get("entry")
+    if not dataset or not isinstance(entry, dict):
+        raise ValueError(f"prompt {prompt.prompt_id} has no reasoning-gym dataset/entry in its metadata")
+    tags = _ANSWER_TAG.findall(response_text)
+    answer = tags[-1].strip() if tags else response_text.strip()
+    return float(reasoning_gym.get_score_answer_fn(dataset)(answer, entry))
+
+
+BUILTINS: dict[str, RewardFn] = {
+    "toy": toy_reward,
+    "math": math_answer,
+    "format": thinking_format,
+    "exact": exact_match,
+    "length": length_penalty,
+    "reasoning_gym": reasoning_gym_reward,
+}
+
+
+def _import_reward(spec: str) -> RewardFn:
+    """Resolve ``"package.module:callable"`` (from ``generator.rewards`` config only)."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError("generator.rewards", f"{spec!r} is neither a builtin {sorted(BUILTINS)} nor module:callable")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("generator.rewards", f"cannot import {spec!r}: {exc}") from exc
+    if not callable(obj):
+        raise ConfigError("generator.rewards", f"{spec!r} is not callable")
+    return obj
+
+
+def resolve(spec: str) -> RewardFn:
+    return BUILTINS[spec] if spec in BUILTINS else _import_reward(spec)
+
+
+# -- combination ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    reward: float
+    components: dict[str, float]
+    seconds: float
+
+
+class RewardSet:
+    """The configured rewards with their weights; ``await score(prompt, text)`` -> ``Scored`` or ``RewardFailed``."""
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] = (), *, timeout_s: float = 10.0,
+                 max_workers: int = 4) -> None:
+        if weights and len(weights) != len(specs):
+            raise ConfigError("generator.reward_weights", "needs one weight per reward")
+        self.names = [s if s in BUILTINS else s.rpartition(":")[2] for s in specs]
+        if len(set(self.names)) != len(self.names):
+            raise ConfigError("generator.rewards", f"reward names must be distinct: {self.names}")
+        self.fns = [resolve(s) for s in specs]
+        self.weights = [float(w) for w in weights] if weights else [1.0] * len(specs)
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _one(self, name: str, fn: RewardFn, prompt: Prompt, text: str) -> float:
+        loop = asyncio.get_running_loop()
+        try:
+            value = await asyncio.wait_for(loop.run_in_executor(self._pool, fn, prompt, text), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s") from None
+        except Exception as exc:
+            raise RewardFailed(name, "reward_error", f"{type(exc).__name__}: {exc}") from exc
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise RewardFailed(name, "reward_error", f"returned {type(value).__name__}, not a number") from None
+        if not math.isfinite(value):
+            raise RewardFailed(name, "reward_error", f"returned a non-finite value ({value})")
+        return value
+
+    async def score(self, prompt: Prompt, response_text: str) -> Scored:
+        """All rewards of one response, concurrently; the first failure raises ``RewardFailed``."""
+        t0 = asyncio.get_running_loop().time()
+        values = await asyncio.gather(*(self._one(n, f, prompt, response_text) for n, f in zip(self.names, self.fns)))
+        components = dict(zip(self.names, values))
+        total = sum(w * v for w, v in zip(self.weights, values))
+        return Scored(total, components, asyncio.get_running_loop().time() - t0)
