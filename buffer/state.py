@@ -10,10 +10,12 @@ Rules:
 
 1. Deduplication by ``episode_id``. A record whose episode is already DECIDED (a replay after a crash or a
    rebalance, or a very late duplicate) is skipped: no new decision, its offset is released at once, counted as
-   ``already_decided``. A record whose episode is still held (pending, complete, accumulating or in flight) is
-   a duplicate: it gets its own ``duplicate`` drop decision.
+   ``already_decided``; it still counts towards its pending group's completion (so a group some of whose
+   episodes were dropped before a crash completes on replay). A record whose episode is still held (pending,
+   complete, accumulating or in flight) is a duplicate: it gets its own ``duplicate`` drop decision.
 2. A record for a group that is already DECIDED, whose episode is not, is dropped as ``late``.
-3. A group is COMPLETE when it holds ``group_size`` distinct episodes (the size the first episode declared).
+3. A group is COMPLETE when it holds ``group_size`` distinct episodes (the size the first episode declared),
+   counting its already-decided ones. A group with no live episode left is forgotten without a decision.
 4. A PENDING group older than ``group_timeout_s`` (since its first episode) is, by ``incomplete_policy``, dropped
    as ``incomplete`` or completed with what arrived.
 5. A COMPLETE group is scored when decisions are taken, with the latest policy version known then
@@ -64,7 +66,12 @@ class Group:
     size: int
     first_seen: float
     members: dict[str, Held] = field(default_factory=dict)
+    decided: set[str] = field(default_factory=set)  # its episodes that were decided before (replays)
     complete: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.members) + len(self.decided)
 
 
 @dataclass(slots=True)
@@ -145,6 +152,12 @@ class BufferState:
         self.counters["received"] += 1
         if ep.episode_id in self._decided:
             self.counters["already_decided"] += 1
+            group = self.groups.get(ep.group_id)
+            if group is None and ep.group_id not in self._decided_groups:
+                group = self.groups[ep.group_id] = Group(ep.group_id, partition, ep.group_size, now)
+            if group is not None and not group.complete:
+                group.decided.add(ep.episode_id)
+                self._check_complete(group)
             return "already_decided"
         held = Held(ep, partition, offset, context)
         if ep.episode_id in self._held_ids:
@@ -162,11 +175,14 @@ class BufferState:
         part.held.add(offset)
         self._held_ids.add(ep.episode_id)
         group.members[ep.episode_id] = held
-        if len(group.members) >= group.size and not group.complete:
+        return "complete" if self._check_complete(group) else "pending"
+
+    def _check_complete(self, group: Group) -> bool:
+        if group.count >= group.size and not group.complete:
             group.complete = True
             self._complete_order.append(group.group_id)
-            return "complete"
-        return "pending"
+            return True
+        return False
 
     def skip(self, partition: int, offset: int) -> None:
         """A record handled elsewhere (dead-lettered and acknowledged): advance the position only."""
@@ -263,7 +279,9 @@ class BufferState:
         expired = sorted((g for g in self.groups.values() if not g.complete
                           and now - g.first_seen >= self.cfg.group_timeout_s), key=lambda g: g.first_seen)
         for group in expired:
-            if self.cfg.incomplete_policy == "complete":
+            if not group.members:  # only replays of decided episodes: nothing left to decide
+                del self.groups[group.group_id]
+            elif self.cfg.incomplete_policy == "complete":
                 group.complete = True
                 self._complete_order.append(group.group_id)
             else:
@@ -276,6 +294,8 @@ class BufferState:
 
     def _score(self, group: Group, now: float, latest_version: int | None) -> None:
         c = self.cfg
+        if not group.members:  # every episode was decided before (a replay): nothing to do
+            return
         verdict = score_group(
             group.group_id, [h.episode for h in group.members.values()], latest_version=latest_version,
             max_policy_lag=c.max_policy_lag, max_response_tokens=c.max_response_tokens,

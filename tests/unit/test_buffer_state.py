@@ -162,3 +162,18 @@ def test_remember_decided_from_recovery_and_dedup_window_is_bounded():
     assert s.add(ep("x", 0), partition=0, offset=0, now=0) == "already_decided"
     s.remember_decided(["y/0", "y/1", "z/0"])
     assert not s.is_decided("x/0") and s.is_decided("z/0")
+
+
+def test_replayed_decided_episodes_count_towards_completion():
+    # before a crash: g/0 was dropped (overlong, say) and published; the rest of g was not batched yet
+    s = BufferState(cfg(groups_per_batch=1))
+    s.remember_decided(["g/0"])
+    res = feed(s, [ep("g", 0, size=3), ep("g", 1, size=3), ep("g", 2, size=3)])
+    assert res == ["already_decided", "pending", "complete"]
+    (d,) = s.take_decisions(now=0, latest_version=0)
+    assert d.kind == "batch" and d.episode_ids == ["g/1", "g/2"] and sorted(d.offsets) == [1, 2]
+    # a group whose every episode was decided is forgotten, without a decision
+    s.remember_decided(["h/0", "h/1"])
+    feed(s, [ep("h", 0), ep("h", 1)], start=3)
+    s.ack(d)
+    assert s.take_decisions(now=100, latest_version=0) == [] and s.groups == {} and s.committable() == {0: 5}

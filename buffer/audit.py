@@ -1,0 +1,156 @@
+"""``streamforge audit``: reconcile what was produced with what was batched, dropped and trained.
+
+Sources: the ``episodes``, ``batches``, ``drops`` and ``dead-letter`` topics of the run (read whole, from offset
+0 to the high-water marks) and the trainer's ledger ``<run_dir>/trainer/ledger.jsonl`` (one line per optimizer
+step: ``{"step", "policy_version", "batch_ids", "time"}``).
+
+Everything is counted in distinct episode ids (delivery is at-least-once, so a record may repeat):
+
+* ``produced``: distinct valid episode ids on ``episodes``; ``duplicate_records``: valid records beyond those;
+* ``batched``: distinct ids in any batch; ``batches``: distinct batch ids;
+* ``dropped``: by reason, distinct ids of the buffer's ``DropRecord``s (``duplicate`` counts duplicate records,
+  which are not decisions about an episode), plus ``malformed``: dead letters whose source is ``episodes``;
+* ``lost``: produced ids neither batched nor dropped (for any reason but ``duplicate``);
+* ``batched_and_dropped``: ids with both outcomes; ``in_two_batches``: ids in two batches with different ids;
+* ``trained``: distinct ids of the batches named in the ledger; ``trained_twice``: ids trained in more than one
+  optimizer step (two different batch ids holding it, or one batch id trained twice);
+* ``reconciles``: ``produced == batched + sum(dropped except duplicate, malformed)`` with nothing lost,
+  nothing both batched and dropped, and nothing decided that was never produced.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from streamforge.config import RunConfig
+from topics.admin import read_topic
+from topics.schemas import Batch, DeadLetter, DropRecord, Episode
+
+NOT_DECISIONS = ("duplicate", "malformed")
+SAMPLE = 10
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]] | None:
+    """The ledger's lines (a torn last line is ignored); None when there is no ledger."""
+    if not path.exists():
+        return None
+    out = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(orjson.loads(line))
+        except orjson.JSONDecodeError:
+            continue  # a line torn by a crash mid-write
+    return out
+
+
+def reconcile(
+    episode_ids: Iterable[str | None],
+    batches: Iterable[tuple[str, list[str]]],
+    drops: Iterable[tuple[str, list[str]]],
+    *,
+    malformed: int = 0,
+    ledger: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The audit as a pure function: ``episode_ids`` per record (None = undecodable), ``batches`` as
+    ``(batch_id, episode_ids)``, ``drops`` as ``(reason, episode_ids)``, the ledger's lines."""
+    records = 0
+    produced: set[str] = set()
+    undecodable = 0
+    for eid in episode_ids:
+        records += 1
+        if eid is None:
+            undecodable += 1
+        else:
+            produced.add(eid)
+    batch_members: dict[str, set[str]] = {}
+    batch_records = 0
+    for batch_id, ids in batches:
+        batch_records += 1
+        batch_members.setdefault(batch_id, set()).update(ids)
+    batches_of: dict[str, set[str]] = defaultdict(set)
+    for batch_id, ids in batch_members.items():
+        for eid in ids:
+            batches_of[eid].add(batch_id)
+    batched = set(batches_of)
+    by_reason: dict[str, set[str]] = defaultdict(set)
+    duplicate_ids = 0
+    for reason, ids in drops:
+        if reason == "duplicate":
+            duplicate_ids += len(ids)
+        else:
+            by_reason[reason].update(ids)
+    dropped_ids: set[str] = set().union(*by_reason.values()) if by_reason else set()
+    dropped = {reason: len(ids) for reason, ids in sorted(by_reason.items())}
+    dropped["duplicate"] = duplicate_ids
+    dropped["malformed"] = malformed
+    decided = batched | dropped_ids
+    lost = produced - decided
+    unknown = decided - produced
+    both = batched & dropped_ids
+    in_two = {e for e, b in batches_of.items() if len(b) > 1}
+
+    trained_steps: Counter[str] = Counter()
+    unknown_batches: set[str] = set()
+    for line in ledger or []:
+        ids: set[str] = set()
+        for batch_id in set(line.get("batch_ids", [])):
+            members = batch_members.get(batch_id)
+            if members is None:
+                unknown_batches.add(batch_id)
+                continue
+            ids |= members
+        trained_steps.update(ids)
+    trained_twice = {e for e, n in trained_steps.items() if n > 1}
+    decided_total = len(batched) + sum(len(v) for v in by_reason.values())
+    return {
+        "records": records,
+        "produced": len(produced),
+        "duplicate_records": records - undecodable - len(produced),
+        "batched": len(batched),
+        "batches": len(batch_members),
+        "batch_records": batch_records,
+        "dropped": dropped,
+        "lost": len(lost),
+        "batched_and_dropped": len(both),
+        "in_two_batches": len(in_two),
+        "unknown_decided": len(unknown),
+        "ledger_found": ledger is not None,
+        "trained_steps": len(ledger or []),
+        "trained": len(trained_steps),
+        "trained_twice": len(trained_twice),
+        "trained_unknown_batches": len(unknown_batches),
+        "reconciles": not lost and not both and not unknown and decided_total == len(produced),
+        "samples": {
+            "lost": sorted(lost)[:SAMPLE],
+            "in_two_batches": sorted(in_two)[:SAMPLE],
+            "trained_twice": sorted(trained_twice)[:SAMPLE],
+            "batched_and_dropped": sorted(both)[:SAMPLE],
+        },
+    }
+
+
+async def run_audit(config: RunConfig) -> dict[str, Any]:
+    """Read the run's topics and ledger and reconcile them (see the module docstring for every key)."""
+    names, kafka = config.names, config.kafka
+    episodes = await read_topic(kafka, names.episodes, expect=Episode)
+    batches = await read_topic(kafka, names.batches, expect=Batch)
+    drops = await read_topic(kafka, names.drops, expect=DropRecord)
+    dead = await read_topic(kafka, names.dead_letter, expect=DeadLetter)
+    malformed = sum(1 for r in dead if r.value is not None and r.value.source == names.episodes)
+    result = reconcile(
+        (r.value.episode_id if r.value is not None else None for r in episodes),
+        ((r.value.batch_id, r.value.episode_ids) for r in batches if r.value is not None),
+        ((r.value.reason, r.value.episode_ids) for r in drops if r.value is not None),
+        malformed=malformed,
+        ledger=read_ledger(config.run_dir / "trainer" / "ledger.jsonl"),
+    )
+    result["undecodable_outputs"] = sum(1 for r in (*batches, *drops) if r.value is None)
+    result["prefix"] = names.prefix
+    return result

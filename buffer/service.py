@@ -1,0 +1,332 @@
+"""``BufferRole``: the replay-buffer process (``streamforge run buffer``).
+
+It consumes the ``episodes`` topic in the buffers' consumer group (several buffer processes split the partitions;
+episodes are keyed by group_id so a group is whole in one partition), runs the state machine of
+``buffer/state.py``, publishes ``Batch`` records (key = batch_id) to ``batches`` and ``DropRecord`` records (key =
+group_id) to ``drops``, dead-letters undecodable or invalid records, and watches the latest ``PolicyVersion`` in
+the NATS KV store for the staleness filter.
+
+Delivery and crash safety:
+
+* Offsets of an episodes partition are committed only up to the lowest offset still held by an unfinished group,
+  batch or drop, i.e. after the broker acknowledged the batch or drop holding every earlier record. A crash
+  therefore replays, it never loses.
+* Replayed records whose decision was already published are not decided twice: whenever partitions are
+  assigned (start-up, restart after a crash, rebalance) the buffer first reads the recent ``batches`` and
+  ``drops`` records back (``buffer/recovery.py``) and marks those episodes DECIDED; their replays are skipped.
+  This is the primary guarantee, and it holds whatever the timing.
+* Second line: grouping is deterministic. A group's episodes are sorted by episode_id, a batch holds groups of
+  one partition in the order they completed there, and ``batch_id`` is a hash of the sorted episode ids. So if a
+  decision was published but not seen by the recovery scan (e.g. it landed after the scan), replaying the
+  partition re-forms the same batch with the same batch_id, and the trainer deduplicates it by batch_id.
+  This fails only when the composition depends on time: a partial batch cut by ``max_batch_wait_s``, a group
+  completed by its timeout (``incomplete_policy="complete"``) or a staleness verdict made against a different
+  latest version. Then an episode can appear in two batches with different ids; the audit reports it as
+  ``in_two_batches`` (and as ``trained_twice`` only if the trainer trained both).
+* On a rebalance the revoked partitions' in-flight publishes finish (the revoke callback waits for the loop's
+  lock) before their state is dropped, so the new owner's recovery scan sees them.
+
+Backpressure: the loop fetches at most ``max_pending_episodes - held`` records and pauses the consumer while
+``held >= max_pending_episodes`` (the backlog stays in Kafka, not in RAM); held records drain as groups complete
+or time out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from aiokafka.abc import ConsumerRebalanceListener
+from opentelemetry import trace
+
+from buffer.recovery import committed_since_ms, read_decided
+from buffer.policies import Reason
+from buffer.state import BufferState, Decision
+from streamforge.config import RunConfig
+from streamforge.lifecycle import Service
+from topics.errors import BrokerError
+from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
+from topics.nats import PolicyStore, connect
+from topics.schemas import DropRecord, Episode
+from topics.tracing import link_to
+
+try:
+    from streamforge.metrics import flush_metrics, record_metric
+except ImportError:  # pragma: no cover - metrics are optional
+    record_metric = flush_metrics = None  # type: ignore[assignment]
+
+log = logging.getLogger("streamforge.buffer")
+tracer = trace.get_tracer("streamforge.buffer")
+
+MAX_LINKS = 64
+REPORT_EVERY_S = 5.0
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, role: BufferRole) -> None:
+        self.role = role
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        try:
+            await self.role._on_revoked(set(revoked))
+        except Exception as exc:
+            self.role._listener_error = exc
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        try:
+            await self.role._on_assigned(set(assigned))
+        except Exception as exc:  # aiokafka only logs listener errors: hand it to the loop, which ends the role
+            self.role._listener_error = exc
+
+
+class BufferRole(Service):
+    """The replay buffer as a supervised service: loops ``consume`` and ``policy`` (contracts on each)."""
+
+    name = "buffer"
+
+    def __init__(self, config: RunConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.cfg = config.buffer
+        self.names = config.names
+        self.buffer_id = self.cfg.buffer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.state = BufferState(self.cfg, buffer_id=self.buffer_id)
+        self.latest_version: int | None = None
+        self.counters: dict[str, int] = {"dead_lettered": 0, "pauses": 0, "commits": 0, "commit_failures": 0,
+                                         "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0}
+        self._lock = asyncio.Lock()  # one loop iteration, or one rebalance step, at a time
+        self._epoch = 0  # bumped on every revoke: records fetched before it are discarded
+        self._committed: dict[int, int] = {}
+        self._paused = False
+        self._draining = False
+        self._listener_error: Exception | None = None  # a failed rebalance step (recovery) ends the role
+        self._last_report = time.monotonic()
+        self._reports = 0
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        self.store: PolicyStore | None = None
+        self.dead: DeadLetters | None = None
+        self._nc: Any = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    async def _start(self) -> None:
+        kafka = self.config.kafka
+        self.producer = Producer(kafka, client_id=f"buffer-{self.buffer_id}")
+        await self.producer.start()
+        self.dead = DeadLetters(self.producer, self.names, "buffer")
+        self._nc = await connect(self.config.nats, name=f"buffer-{self.buffer_id}")
+        self.store = PolicyStore(self._nc, self.names, history=self.config.nats.kv_history,
+                                 timeout_s=self.config.nats.request_timeout_s)
+        await self.store.start()
+        pv, _ = await self.store.latest()
+        self.latest_version = pv.version if pv is not None else None
+        self.consumer = Consumer(kafka, [self.names.episodes], group_id=self.names.buffers_group, expect=Episode,
+                                 client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self))
+        await self.consumer.start()
+        log.info("buffer %s started (latest policy version %s)", self.buffer_id, self.latest_version)
+
+    async def _stop(self) -> None:
+        for client in (self.consumer, self.producer):
+            if client is not None:
+                try:
+                    await client.stop()
+                except Exception as exc:  # closing; report, do not mask the reason we stop
+                    log.warning("buffer %s: closing %s: %s", self.buffer_id, type(client).__name__, exc)
+        if self._nc is not None:
+            try:
+                await self._nc.close()
+            except Exception as exc:
+                log.warning("buffer %s: closing NATS: %s", self.buffer_id, exc)
+        self._report(force=True)
+
+    def loops(self) -> dict[str, Any]:
+        return {"consume": self._consume_loop(), "policy": self._policy_loop()}
+
+    async def drain(self) -> None:
+        """Stop taking episodes, publish what can be published (partial batches too), commit."""
+        self._draining = True
+        async with self._lock:
+            assert self.consumer is not None
+            self.consumer.pause()
+            await self._decide(final=True)
+            await self._commit()
+
+    # -- loops --------------------------------------------------------------------------------
+    async def _consume_loop(self) -> None:
+        """Consumes ``episodes`` (buffers' group); publishes batches and drops; commits finished offsets.
+
+        Waits on the consumer's fetch for at most ``poll_s`` (so group and batch timers fire without records), and
+        while paused (backpressure) only the timers run. Each iteration holds the lock so a rebalance callback
+        never interleaves with a half-published decision. Runs until cancelled; any error ends the role.
+        """
+        assert self.consumer is not None
+        poll_ms = int(1000 * min(0.5, self.cfg.max_batch_wait_s / 2, self.cfg.group_timeout_s / 4))
+        while True:
+            room = self.cfg.max_pending_episodes - self.state.held
+            epoch = self._epoch
+            records: list[Received] = []
+            if room > 0 and not self._draining:
+                records = await self.consumer.getmany(timeout_ms=poll_ms,
+                                                      max_records=min(room, self.cfg.poll_max_records))
+            else:
+                await asyncio.sleep(poll_ms / 1000)  # paused: only the timers can free room
+            async with self._lock:
+                if self._listener_error is not None:
+                    raise RuntimeError(f"rebalance handling failed: {self._listener_error!r}") from self._listener_error
+                if self._draining:
+                    continue
+                await self._handle(records, epoch)
+                await self._decide(final=False)
+                await self._commit()
+                self._backpressure()
+            self._report()
+
+    async def _policy_loop(self) -> None:
+        """Watches the NATS KV ``latest`` PolicyVersion; updates ``latest_version`` (used by the stale filter).
+
+        Waits on the KV watch; unblocked by each write of a new version. Runs until cancelled.
+        """
+        assert self.store is not None
+        async for pv in self.store.watch():
+            if self.latest_version is None or pv.version > self.latest_version:
+                self.latest_version = pv.version
+                if record_metric is not None:
+                    record_metric("buffer/latest_version", pv.version, "max")
+        raise RuntimeError("the policy-version watch ended")
+
+    # -- one iteration ------------------------------------------------------------------------
+    async def _handle(self, records: list[Received], epoch: int) -> None:
+        assert self.consumer is not None and self.dead is not None
+        if not records:
+            return
+        assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.names.episodes}
+        now = time.monotonic()
+        for rec in records:
+            if epoch != self._epoch or rec.partition not in assigned:
+                self.counters["discarded_after_revoke"] += 1  # refetched by whoever owns it now
+                continue
+            if rec.error is not None or rec.value is None:
+                await self.dead.send(rec)
+                self.counters["dead_lettered"] += 1
+                self.state.skip(rec.partition, rec.offset)
+                continue
+            self.state.add(rec.value, partition=rec.partition, offset=rec.offset, now=now, context=rec.context)
+
+    async def _decide(self, *, final: bool) -> None:
+        decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version, final=final)
+        if decisions:
+            await self._publish(decisions)
+
+    async def _publish(self, decisions: list[Decision]) -> None:
+        """Send every decision (pipelined), await all acknowledgements, then mark them decided."""
+        assert self.producer is not None
+        futures = []
+        for d in decisions:
+            links = [lk for lk in (link_to(c) for c in d.contexts[:MAX_LINKS]) if lk is not None]
+            name = "buffer.batch" if d.kind == "batch" else "buffer.drop"
+            with tracer.start_as_current_span(name, links=links) as span:
+                span.set_attribute("buffer.episodes", len(d.episode_ids))
+                span.set_attribute("buffer.groups", d.group_ids[:MAX_LINKS])
+                span.set_attribute("buffer.partition", d.partition)
+                if d.kind == "batch":
+                    assert d.batch is not None
+                    span.set_attribute("buffer.batch_id", d.batch.batch_id)
+                    fut = await self.producer.enqueue(self.names.batches, d.batch, key=d.batch.batch_id)
+                else:
+                    span.set_attribute("buffer.reason", d.reason)
+                    rec = DropRecord(episode_ids=d.episode_ids, reason=d.reason, group_id=d.group_id,
+                                     detail=d.detail, buffer_id=self.buffer_id)
+                    fut = await self.producer.enqueue(self.names.drops, rec, key=d.group_id)
+            futures.append(fut)
+        await asyncio.gather(*futures)
+        for d in decisions:
+            self.state.ack(d)
+            if record_metric is not None:
+                key = "buffer/batches" if d.kind == "batch" else f"buffer/dropped/{d.reason}"
+                record_metric(key, 1 if d.kind == "batch" else len(d.episode_ids), "sum")
+
+    async def _commit(self) -> None:
+        assert self.consumer is not None
+        assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.names.episodes}
+        offsets = {TopicPartition(self.names.episodes, p): off for p, off in self.state.committable().items()
+                   if p in assigned and self._committed.get(p) != off}
+        if not offsets:
+            return
+        try:
+            await self.consumer.commit(offsets)
+        except BrokerError as exc:
+            if not exc.retriable:
+                raise
+            self.counters["commit_failures"] += 1  # a rebalance: the next owner replays, recovery dedups
+            log.warning("buffer %s: commit failed (%s); will retry", self.buffer_id, exc)
+            return
+        self.counters["commits"] += 1
+        for tp, off in offsets.items():
+            self._committed[tp.partition] = off
+
+    def _backpressure(self) -> None:
+        assert self.consumer is not None
+        over = self.state.held >= self.cfg.max_pending_episodes
+        if over:
+            self.consumer.pause()  # also covers partitions assigned since the last pause
+            if not self._paused:
+                self.counters["pauses"] += 1
+                log.info("buffer %s: %d episodes held, pausing consumption", self.buffer_id, self.state.held)
+        elif self._paused and not self._draining:
+            self.consumer.resume()
+        self._paused = over
+
+    # -- rebalance ----------------------------------------------------------------------------
+    async def _on_revoked(self, revoked: set[TopicPartition]) -> None:
+        parts = [tp.partition for tp in revoked if tp.topic == self.names.episodes]
+        if not parts:
+            return  # the first join revokes nothing
+        async with self._lock:  # in-flight publishes of these partitions finish first
+            # records fetched before this revoke are discarded: the next assignment resets every position to
+            # the committed offset, so they are fetched again by whoever owns their partition then
+            self._epoch += 1
+            self.state.revoke(parts)
+            for p in parts:
+                self._committed.pop(p, None)
+            self.counters["rebalances"] += 1
+
+    async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
+        """Before consuming new partitions, learn which of their replayed episodes are already decided."""
+        tps = [tp for tp in assigned if tp.topic == self.names.episodes]
+        if not tps:
+            return
+        assert self.consumer is not None
+        async with self._lock:
+            committed = {tp: await self.consumer.committed(tp) for tp in tps}
+            since = await committed_since_ms(self.config.kafka, committed, self.cfg.recovery_skew_s)
+            if since is None:
+                return
+            found = await read_decided(self.config.kafka, batches_topic=self.names.batches,
+                                       drops_topic=self.names.drops, since_ms=since)
+            self.state.remember_decided(found.batched_episodes)
+            self.state.remember_decided(found.dropped_episodes, found.incomplete_groups, outcome=Reason.INCOMPLETE)
+            n = len(found.batched_episodes) + len(found.dropped_episodes)
+            self.counters["recovered_ids"] += n
+            log.info("buffer %s: assigned %s; %d decided episodes recovered from %d output records",
+                     self.buffer_id, sorted(tp.partition for tp in tps), n, found.records_read)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def all_counters(self) -> dict[str, int]:
+        out = {**self.state.counters, **self.counters}
+        out["held"] = self.state.held
+        return out
+
+    def _report(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if record_metric is None or (not force and now - self._last_report < REPORT_EVERY_S):
+            return
+        self._last_report = now
+        for key, value in self.all_counters().items():
+            record_metric(f"buffer/{key}", value, "max")
+        if flush_metrics is not None:
+            self._reports += 1
+            flush_metrics(self._reports)

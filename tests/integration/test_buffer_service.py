@@ -1,0 +1,126 @@
+"""The buffer role against real brokers: episodes in, batches and drops out, counts reconcile, backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from buffer.audit import run_audit
+from buffer.service import BufferRole
+from buffer.synthetic import make_group
+from topics.admin import read_topic
+from topics.kafka import Producer
+from topics.nats import PolicyStore, connect
+from topics.schemas import Batch, DropRecord, PolicyVersion
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def with_buffer(cfg, **kw):
+    return dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, **kw))
+
+
+async def produce(cfg, episodes, *, raw: list[bytes] = ()) -> None:
+    async with Producer(cfg.kafka) as producer:
+        futs = [await producer.enqueue(cfg.names.episodes, e, key=e.group_id) for e in episodes]
+        futs += [await producer.enqueue_raw(cfg.names.episodes, b, key="junk") for b in raw]
+        await asyncio.gather(*futs)
+
+
+async def wait_for(predicate, timeout_s: float, what: str, role=None, task=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if task is not None and task.done():
+            task.result()  # raises the role's crash
+            raise AssertionError(f"the role stopped before {what}")
+        if time.monotonic() > deadline:
+            extra = role.all_counters() if role is not None else ""
+            raise AssertionError(f"timed out waiting for {what} {extra}")
+        await asyncio.sleep(0.1)
+
+
+async def test_episodes_in_batches_out_counts_reconcile(run_config):
+    cfg = with_buffer(run_config, groups_per_batch=2, max_policy_lag=1, max_response_tokens=20,
+                      max_batch_wait_s=0.5, group_timeout_s=3.0)
+    # the policy is at version 5: groups sampled at version 3 are stale
+    nc = await connect(cfg.nats, name="test")
+    store = PolicyStore(nc, cfg.names)
+    await store.start()
+    await store.publish(PolicyVersion(version=5, step=5), expected_revision=0)
+
+    good = [e for g in range(6) for e in make_group(f"g{g}", 4, version=5)]
+    stale = make_group("stale", 4, version=3)
+    flat = make_group("flat", 4, version=5, rewards=[1.0] * 4)
+    long = make_group("long", 4, version=5, response_len=30)  # every response over 20 tokens
+    partial = make_group("partial", 4, version=5)[:2]  # never completes
+    dup = good[:2]  # redelivered records
+    episodes = [*good, *stale, *flat, *long, *partial, *dup]
+    await produce(cfg, episodes, raw=[b"\x00not msgpack", b"\x81\xa6schema\xa3zzz"])
+
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    try:
+        expected = len(good) + 4 + 4 + 4 + 2  # every distinct episode, the incomplete pair after its timeout
+        await wait_for(lambda: role.state.counters["batched_episodes"] + sum(
+            v for k, v in role.state.counters.items() if k.startswith("dropped_") and k != "dropped_duplicate"
+        ) >= expected and role.state.held == 0, 30, "every episode decided", role, task)
+        assert role.latest_version == 5
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await nc.close()
+
+    records = await read_topic(cfg.kafka, cfg.names.batches, expect=Batch)
+    batches = [r.value for r in records]
+    assert [r.key for r in records] == [b.batch_id for b in batches]
+    assert sum(len(b.episode_ids) for b in batches) == 24
+    for b in batches:
+        assert set(b.group_ids) <= {f"g{i}" for i in range(6)} and len(b.episode_ids) == b.input_ids.shape[0]
+        assert np.isfinite(b.advantages).all() and abs(float(b.advantages.sum())) < 1e-3
+        assert (b.token_versions[b.loss_mask.astype(bool)] == 5).all()
+    drops = [r.value for r in await read_topic(cfg.kafka, cfg.names.drops, expect=DropRecord)]
+    reasons = {}
+    for d in drops:
+        reasons.setdefault(d.reason, set()).update(d.episode_ids)
+    assert reasons["stale"] == {e.episode_id for e in stale}
+    assert reasons["zero_variance"] == {e.episode_id for e in flat}
+    assert reasons["overlong"] == {e.episode_id for e in long}
+    assert reasons["incomplete"] == {e.episode_id for e in partial}
+
+    audit = await run_audit(cfg)
+    assert audit["produced"] == len(episodes) - len(dup) == 38 and audit["duplicate_records"] == 2
+    assert audit["batched"] == 24 and audit["lost"] == 0 and audit["reconciles"], audit
+    assert audit["dropped"]["duplicate"] == 2 and audit["dropped"]["malformed"] == 2
+    assert audit["in_two_batches"] == 0 and audit["batched_and_dropped"] == 0
+    # the committed offsets cover every record: a new buffer in the group would start at the end
+    assert role.counters["dead_lettered"] == 2 and role.counters["commits"] >= 1
+
+
+async def test_backpressure_caps_held_episodes(run_config):
+    cap = 12
+    cfg = with_buffer(run_config, groups_per_batch=1, max_pending_episodes=cap, group_timeout_s=2.0,
+                      poll_max_records=5)
+    # groups whose last episode comes much later: the buffer must not read the whole backlog into memory
+    heads = [e for g in range(20) for e in make_group(f"h{g}", 4)[:3]]
+    await produce(cfg, heads)
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    peak = 0
+    try:
+        deadline = time.monotonic() + 6
+        while time.monotonic() < deadline:
+            peak = max(peak, role.state.held)
+            await asyncio.sleep(0.02)
+        assert 0 < peak <= cap and role.counters["pauses"] >= 1
+        # the group timeout frees room; consumption resumes and everything is eventually decided
+        await wait_for(lambda: role.state.counters.get("dropped_incomplete", 0) == len(heads), 40, "all timeouts", role, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    assert peak <= cap
