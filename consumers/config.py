@@ -26,6 +26,12 @@ class TrainerConfig:
     publish_every: int = 1  # publish a PolicyVersion every k steps
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
+    export_hf: bool = True  # an HF dir inside every checkpoint and at <run_dir>/hf at the end
+    reward_window: int = 20  # batches in the running mean compared with reward_target
+    dedup_window: int = 10_000  # recent batch ids remembered (and checkpointed) to drop redelivered batches
+    sft_batch_size: int = 8  # SFT examples per step
+    poll_timeout_ms: int = 1000  # longest wait for the next record before re-checking for stop
+    ref_model: str = ""  # HF dir of the frozen reference for beta > 0 (empty = model.path)
     world_size: int = 1  # ranks (torchrun or spawned); gloo on CPU, nccl on GPU
     dtype: str = "float32"
     seed: int = 0
@@ -41,6 +47,20 @@ class TrainerConfig:
             raise ConfigError("trainer.publish_every", "must be at least 1")
         if self.checkpoint_every < 1:
             raise ConfigError("trainer.checkpoint_every", "must be at least 1")
+        if self.keep_checkpoints < 1:
+            raise ConfigError("trainer.keep_checkpoints", "must be at least 1")
+        if self.reward_window < 1:
+            raise ConfigError("trainer.reward_window", "must be at least 1")
+        if self.dedup_window < 1:
+            raise ConfigError("trainer.dedup_window", "must be at least 1")
+        if self.sft_batch_size < 1:
+            raise ConfigError("trainer.sft_batch_size", "must be at least 1")
+        if self.grad_clip < 0:
+            raise ConfigError("trainer.grad_clip", "must be >= 0 (0 = no clipping)")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError("trainer.betas", "must be two numbers in [0, 1)")
+        if self.warmup_steps < 0:
+            raise ConfigError("trainer.warmup_steps", "must be >= 0")
         if self.world_size < 1:
             raise ConfigError("trainer.world_size", "must be at least 1")
         if self.dtype not in ("float32", "bfloat16"):

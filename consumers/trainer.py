@@ -1,0 +1,309 @@
+"""``streamforge run trainer``: Kafka-driven continuous training (RL on ``batches``, or SFT on ``sft``).
+
+Per step (rank 0): take the next record of the topic (``source.py``: explicit offsets, dead-letters for
+undecodable records), drop it if its ``batch_id`` was already trained (redelivery), broadcast it to the other ranks
+(``engine.py``), step (loss, backward, clip, AdamW, schedule), append the ledger line and the metrics row, then
+every ``publish_every`` steps hand the weights to the ``WeightPublisher`` (new ``PolicyVersion``; the round
+overlaps the next step, at most one round in flight) and every ``checkpoint_every`` steps write a checkpoint
+(model, optimizer, step, version, offsets, recent batch ids, HF export).
+
+Restart: the newest checkpoint is loaded, the ledger and metrics lose their lines after its step, and reading
+resumes at its offsets: the batches trained after the checkpoint are trained again, exactly once in the ledger.
+The policy version continues from ``max(checkpoint version, latest version in the KV store)`` so versions never
+go backwards for the generators.
+
+Stops: ``trainer.max_steps`` steps or a running mean reward over ``reward_window`` batches reaching
+``trainer.reward_target`` finish the run (exit 0); SIGTERM drains. Either way the in-flight step completes, a
+final checkpoint and ``<run_dir>/hf`` are written and the last publication round is awaited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+import numpy as np
+
+from consumers.checkpoint import CheckpointMeta
+from consumers.engine import EXPORT, PUBLISH, QUIT, Commander, TrainEngine, follow, model_dir_for, staleness
+from consumers.ledger import JsonlAppender, Ledger, truncate_metrics_after
+from consumers.parallel import Dist, close_distributed, init_distributed
+from consumers.sft import collate_sft
+from streamforge.lifecycle import Service
+from topics.kafka import DeadLetters, Producer, Received
+from topics.schemas import Batch, SFTExample
+
+log = logging.getLogger("streamforge.trainer")
+
+
+def _record(metrics: dict[str, Any], step: int) -> None:
+    try:
+        from streamforge.metrics import flush_metrics, record_metric
+    except ImportError:  # pragma: no cover
+        return
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)):
+            record_metric(f"trainer/{key}", float(value))
+    flush_metrics(step)
+
+
+class TrainerRole(Service):
+    """The trainer process (one per rank under torchrun); see the module docstring."""
+
+    name = "trainer"
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.cfg = config.trainer
+        self.names = config.names
+        self.run_dir = config.run_dir
+        self.drain_timeout_s = config.weightsync.ack_deadline_s + 60.0
+        self.d: Dist = Dist()
+        self.engine: TrainEngine | None = None
+        self.cmd: Commander | None = None
+        self.step = 0
+        self.version = 0
+        self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self.duplicates = 0
+        self._since_publish: list[str] = []
+        self._rewards: collections.deque[float] = collections.deque(maxlen=self.cfg.reward_window)
+        self._checkpointed_step = -1
+        self._stop_event: asyncio.Event | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._quit_sent = False
+        self._round: asyncio.Task | None = None
+        self._t0 = time.time()
+        self.source = None
+        self.producer: Producer | None = None
+        self.publisher = None
+        self.nc = None
+        self.ledger: Ledger | None = None
+        self.metrics_out: JsonlAppender | None = None
+        self.tokenizer = None
+        self.finished_reason = ""
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+    async def serve(self, stop: asyncio.Event | None = None) -> None:
+        self._stop_event = stop or asyncio.Event()
+        await super().serve(self._stop_event)
+
+    async def _start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.d = init_distributed()
+        self.cmd = Commander(self.d)
+        model_dir = await asyncio.to_thread(model_dir_for, self.config)
+        self.engine = await asyncio.to_thread(
+            TrainEngine, self.cfg, model_dir=model_dir, run_dir=self.run_dir, d=self.d,
+            max_seq_len=self.config.model.max_seq_len, temperature=self.config.generator.temperature,
+            max_completion_length=self.config.generator.max_tokens)
+        meta = await asyncio.to_thread(self.engine.restore)
+        offsets: dict[str, int] = {}
+        if meta is not None:
+            self.step, self.version, offsets = meta.step, meta.policy_version, dict(meta.offsets)
+            self.recent.update((b, None) for b in meta.recent_batch_ids)
+            self._checkpointed_step = meta.step
+            log.info("trainer resumed from step %d (version %d) at offsets %s", self.step, self.version, offsets)
+        if not self.d.is_main:
+            return
+        removed = Ledger.truncate_after(self.run_dir, self.step)
+        truncate_metrics_after(self.run_dir / "metrics.jsonl", self.step)
+        if removed:
+            log.info("ledger: %d steps after the checkpoint will be trained again", removed)
+        self.ledger = Ledger(self.run_dir)
+        self.metrics_out = JsonlAppender(self.run_dir / "metrics.jsonl")
+        if self.cfg.mode == "sft":
+            from producers.tiny_model import load_tokenizer
+
+            self.tokenizer = load_tokenizer(model_dir)
+        self.producer = Producer(self.config.kafka, client_id="trainer")
+        await self.producer.start()
+        from consumers.source import RecordSource
+
+        rl = self.cfg.mode == "rl"
+        self.source = RecordSource(self.config.kafka, self.names.batches if rl else self.names.sft,
+                                   group_id=self.names.trainers_group, expect=Batch if rl else SFTExample,
+                                   dead_letters=DeadLetters(self.producer, self.names, "trainer"))
+        await self.source.start(offsets)
+        if self.config.nats.url:
+            from topics.nats import connect
+            from weightsync.publisher import WeightPublisher
+
+            self.nc = await connect(self.config.nats, name="trainer")
+            self.publisher = WeightPublisher(self.config.weightsync, nc=self.nc, names=self.names,
+                                             run_dir=self.run_dir, trainer_id="trainer")
+            await self.publisher.start()
+            if self.publisher.latest_version > self.version:
+                log.info("policy versions continue after the store's %d", self.publisher.latest_version)
+                self.version = self.publisher.latest_version
+        else:
+            log.warning("nats.url is empty: the trainer publishes no policy versions")
+
+    async def _stop(self) -> None:
+        for closer in (self._close_round, self._close_clients):
+            try:
+                await closer()
+            except Exception as exc:  # stopping must not hide the original failure
+                log.warning("trainer stop: %s", exc)
+        if self.d.enabled:
+            if self._quit_sent or not self.d.is_main:
+                close_distributed(self.d)
+            else:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+
+    async def _close_round(self) -> None:
+        if self._round is not None and not self._round.done():
+            await asyncio.wait_for(asyncio.shield(self._round), self.config.weightsync.ack_deadline_s + 5)
+
+    async def _close_clients(self) -> None:
+        for client in (self.publisher, self.source, self.producer):
+            if client is not None:
+                await client.stop()
+        if self.nc is not None:
+            await self.nc.close()
+        for fh in (self.ledger, self.metrics_out):
+            if fh is not None:
+                fh.close()
+
+    def loops(self) -> dict[str, Any]:
+        if self.d.is_main:
+            return {"train": self._train_loop()}
+        return {"follow": self._follow_loop()}
+
+    async def drain(self) -> None:
+        """Let the in-flight step finish, then checkpoint, export, finish the publication round, release ranks."""
+        if not self.d.is_main:
+            while not self._quit_sent:  # a follower leaves when rank 0 says so
+                await asyncio.sleep(0.1)
+            return
+        await self._idle.wait()
+        if self.step > 0 and self._checkpointed_step != self.step:
+            await self._checkpoint()
+        if self.step > 0 and self.cfg.export_hf:
+            self.cmd.send(EXPORT)
+            await asyncio.to_thread(self.engine.export)
+        await self._close_round()
+        if self._round is not None and self._round.done() and not self._round.cancelled() and self._round.exception():
+            log.error("last publication round failed: %s", self._round.exception())
+        self.cmd.send(QUIT)
+        self._quit_sent = True
+
+    def _finish(self, reason: str) -> None:
+        log.info("trainer finished: %s", reason)
+        self.finished_reason = reason
+        assert self._stop_event is not None
+        self._stop_event.set()
+
+    # -- loops --------------------------------------------------------------------------------------------------
+    async def _follow_loop(self) -> None:
+        """Follower ranks: replay rank 0's collective calls (blocking broadcasts, in a thread) until QUIT; then
+        stop the role. Unblocked only by rank 0."""
+        await asyncio.to_thread(follow, self.engine)
+        self._quit_sent = True
+        self._finish("rank 0 quit")
+        await asyncio.Event().wait()
+
+    async def _train_loop(self) -> None:
+        """Consumes the batches (or sft) topic one batch per step; waits on Kafka for at most ``poll_timeout_ms``
+        at a time, then re-checks for stop. Unblocked by a record, or by stop. Ends the run itself (sets the stop
+        event, then idles until cancelled) when ``max_steps`` or ``reward_target`` is reached."""
+        while not self.stopping:
+            done = self._done_reason()
+            if done:
+                self._finish(done)
+                break
+            batch, records = await self._next_batch()
+            if batch is None or self.stopping:
+                continue  # records stay unaccounted: a restart reads them again
+            if batch.batch_id in self.recent:
+                self.duplicates += 1
+                log.info("batch %s was already trained: skipped", batch.batch_id)
+                for rec in records:
+                    self.source.advance(rec)
+                continue
+            self._idle.clear()
+            try:
+                await self._train_one(batch, records)
+            finally:
+                self._idle.set()
+        await asyncio.Event().wait()
+
+    def _done_reason(self) -> str:
+        if self.cfg.max_steps and self.step >= self.cfg.max_steps:
+            return f"max_steps {self.cfg.max_steps} reached"
+        if (self.cfg.reward_target > 0 and len(self._rewards) == self._rewards.maxlen
+                and float(np.mean(self._rewards)) >= self.cfg.reward_target):
+            return f"mean reward {np.mean(self._rewards):.3f} >= target {self.cfg.reward_target}"
+        return ""
+
+    async def _next_batch(self) -> tuple[Batch | None, list[Received]]:
+        if self.cfg.mode == "rl":
+            rec = await self.source.next(self.cfg.poll_timeout_ms)
+            return (rec.value, [rec]) if rec is not None else (None, [])
+        records: list[Received] = []
+        while len(records) < self.cfg.sft_batch_size and not self.stopping:
+            rec = await self.source.next(self.cfg.poll_timeout_ms if not records else 50)
+            if rec is None:
+                break
+            records.append(rec)
+        if not records:
+            return None, []
+        batch = collate_sft(self.tokenizer, [r.value for r in records], max_seq_len=self.config.model.max_seq_len)
+        return batch, records
+
+    async def _train_one(self, batch: Batch, records: list[Received]) -> None:
+        t0 = time.perf_counter()
+        self.cmd.step(batch)
+        metrics = await asyncio.to_thread(self.engine.step, batch)
+        self.step += 1
+        for rec in records:
+            self.source.advance(rec)
+        self.recent[batch.batch_id] = None
+        while len(self.recent) > self.cfg.dedup_window:
+            self.recent.popitem(last=False)
+        self.ledger.record(step=self.step, policy_version=self.version, batch_ids=[batch.batch_id])
+        self._since_publish.append(batch.batch_id)
+        reward = float(np.mean(batch.rewards)) if len(batch.rewards) else 0.0
+        if self.cfg.mode == "rl":
+            self._rewards.append(reward)
+        elapsed = time.perf_counter() - t0
+        row = {"step": self.step, "policy_version": self.version, "time_s": round(time.time() - self._t0, 4),
+               "time": time.time(), "reward_mean": reward, "loss": metrics.get("loss", 0.0),
+               "staleness_mean": staleness(batch, self.version), "episodes": len(batch.episode_ids),
+               "tokens_per_s": metrics.get("tokens", 0.0) / max(elapsed, 1e-9), "batch_id": batch.batch_id,
+               "duplicates": self.duplicates, **{k: v for k, v in metrics.items() if k not in ("loss",)}}
+        self.metrics_out.append(row)
+        _record(row, self.step)
+        if self.step % self.cfg.publish_every == 0:
+            await self._publish()
+        if self.step % self.cfg.checkpoint_every == 0:
+            await self._checkpoint()
+
+    async def _publish(self) -> None:
+        if self.publisher is None:
+            self.version += 1
+            self._since_publish = []
+            return
+        if self._round is not None:
+            await self._round  # at most one round in flight; a failed round (StaleWriter...) stops the role
+        self.version += 1
+        self.cmd.send(PUBLISH)
+        self._round = await self.publisher.submit(version=self.version, step=self.step,
+                                                  named_tensors=self.engine.named_tensors,
+                                                  batch_ids=list(self._since_publish))
+        self._since_publish = []
+
+    async def _checkpoint(self) -> None:
+        meta = CheckpointMeta(step=self.step, policy_version=self.version, offsets=dict(self.source.offsets),
+                              recent_batch_ids=list(self.recent), world_size=self.d.world_size)
+        self.cmd.checkpoint(meta)
+        path = await asyncio.to_thread(self.engine.save, meta)
+        self._checkpointed_step = self.step
+        await self.source.commit()
+        log.info("checkpoint %s", path)
