@@ -37,6 +37,7 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -46,8 +47,8 @@ from opentelemetry import trace
 from buffer.recovery import committed_since_ms, read_decided
 from buffer.policies import Reason
 from buffer.state import BufferState, Decision
-from streamforge.config import RunConfig
-from streamforge.lifecycle import Service
+from streamforge.config import RunConfig, load_config
+from streamforge.lifecycle import Service, run_service
 from topics.errors import BrokerError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
@@ -297,6 +298,7 @@ class BufferRole(Service):
     async def _on_assigned(self, assigned: set[TopicPartition]) -> None:
         """Before consuming new partitions, learn which of their replayed episodes are already decided."""
         tps = [tp for tp in assigned if tp.topic == self.names.episodes]
+        log.info("buffer %s: partitions assigned %s", self.buffer_id, sorted(tp.partition for tp in tps))
         if not tps:
             return
         assert self.consumer is not None
@@ -330,3 +332,17 @@ class BufferRole(Service):
         if flush_metrics is not None:
             self._reports += 1
             flush_metrics(self._reports)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m buffer.service [CONFIG.yaml] [--section.key=value ...]``: run one buffer process."""
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0] if argv and not argv[0].startswith("--") else None
+    config = load_config(path, [a for a in argv if a.startswith("--")])
+    logging.basicConfig(level=config.telemetry.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run_service(BufferRole(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

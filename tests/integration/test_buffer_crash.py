@@ -1,0 +1,191 @@
+"""Buffer processes under failure: SIGKILL mid-stream and restart; two processes sharing the partitions.
+
+Each buffer is a real subprocess (``python -m buffer.service CONFIG``, i.e. ``run_service(BufferRole(cfg))``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from buffer.audit import run_audit
+from buffer.synthetic import make_group
+from streamforge.config import dump_config
+from topics.admin import read_topic
+from topics.kafka import Producer
+from topics.schemas import Batch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def buffer_config(run_config, **buffer_kw):
+    cfg = dataclasses.replace(
+        run_config,
+        buffer=dataclasses.replace(run_config.buffer, groups_per_batch=2, max_batch_wait_s=0.5,
+                                   group_timeout_s=60.0, **buffer_kw),
+        kafka=dataclasses.replace(run_config.kafka, session_timeout_ms=6000, heartbeat_interval_ms=1000),
+    )
+    return cfg
+
+
+class BufferProcess:
+    """One ``python -m buffer.service`` child with its log in a file."""
+
+    def __init__(self, cfg, tmp: Path, name: str) -> None:
+        self.name = name
+        path = tmp / f"{name}.yaml"
+        path.write_text(dump_config(cfg))
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "buffer.service", str(path), f"--buffer.buffer_id={name}"],
+            cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def assigned(self) -> list[list[int]]:
+        return [[int(p) for p in re.findall(r"\d+", m)] for m in re.findall(r"partitions assigned \[([\d, ]*)\]", self.log())]
+
+    def recovered(self) -> int:
+        return sum(int(n) for n in re.findall(r"(\d+) decided episodes recovered", self.log()))
+
+    async def wait_assigned(self, timeout_s: float, n: int | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = self.assigned()
+            if got and got[-1] and (n is None or len(got[-1]) == n):
+                return
+            if self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited {self.proc.returncode}:\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name} not assigned after {timeout_s} s:\n{self.log()[-3000:]}")
+            await asyncio.sleep(0.2)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def terminate(self, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+
+async def produce_interleaved(cfg, waves: int, groups_per_wave: int, pause_s: float) -> int:
+    """Each wave sends the first half of its groups and the second half of the previous wave's groups, so at
+    any moment some groups are open (holding the committed offset back) while later ones are batched."""
+    size = 4
+    total = 0
+    async with Producer(cfg.kafka) as producer:
+        prev: list = []
+        for w in range(waves + 1):
+            cur = [make_group(f"w{w}g{k}", size, rewards=[0, 1, k % 2, 1]) for k in range(groups_per_wave)] \
+                if w < waves else []
+            records = [e for g in cur for e in g[:2]] + [e for g in prev for e in g[2:]]
+            futs = [await producer.enqueue(cfg.names.episodes, e, key=e.group_id) for e in records]
+            await asyncio.gather(*futs)
+            total += len(records)
+            prev = cur
+            await asyncio.sleep(pause_s)
+    return total
+
+
+async def wait_all_decided(cfg, expected: int, timeout_s: float, procs) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        audit = await run_audit(cfg)
+        if audit["produced"] == expected and audit["lost"] == 0:
+            return audit
+        for p in procs:
+            if p.proc.poll() is not None:
+                raise AssertionError(f"{p.name} exited {p.proc.returncode}:\n{p.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not every episode decided: {audit}")
+        await asyncio.sleep(1.0)
+
+
+async def write_dedup_ledger(cfg) -> list[str]:
+    """The ledger of a trainer that trains each batch it reads once, skipping batch ids it already trained."""
+    seen: list[str] = []
+    for rec in await read_topic(cfg.kafka, cfg.names.batches, expect=Batch):
+        if rec.value.batch_id not in seen:
+            seen.append(rec.value.batch_id)
+    path = cfg.run_dir / "trainer" / "ledger.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        for step, batch_id in enumerate(seen, 1):
+            fh.write(orjson.dumps({"step": step, "policy_version": step, "batch_ids": [batch_id], "time": 0.0}) + b"\n")
+    return seen
+
+
+async def test_sigkill_mid_stream_then_restart_loses_nothing_trains_nothing_twice(run_config, tmp_path):
+    cfg = buffer_config(run_config)
+    a = BufferProcess(cfg, tmp_path, "buf-a")
+    b = None
+    try:
+        await a.wait_assigned(60)
+        producing = asyncio.create_task(produce_interleaved(cfg, waves=12, groups_per_wave=6, pause_s=0.4))
+        # kill once a few batches are out, while groups are still open
+        deadline = time.monotonic() + 60
+        while len(await read_topic(cfg.kafka, cfg.names.batches)) < 4:
+            assert time.monotonic() < deadline and a.proc.poll() is None, a.log()[-3000:]
+            await asyncio.sleep(0.2)
+        a.kill()
+        assert not producing.done(), "the stream ended before the kill: make it longer"
+        b = BufferProcess(cfg, tmp_path, "buf-b")
+        expected = await producing
+        await wait_all_decided(cfg, expected, 90, [b])
+        await write_dedup_ledger(cfg)
+        audit = await run_audit(cfg)
+    finally:
+        a.terminate()
+        if b is not None:
+            assert b.terminate() == 0, b.log()[-3000:]
+    assert audit["lost"] == 0 and audit["reconciles"], audit
+    assert audit["batched"] == expected  # every group here has reward variance: all of it is batched
+    assert audit["trained_twice"] == 0 and audit["trained"] == expected, audit
+    assert audit["in_two_batches"] == 0 and audit["batched_and_dropped"] == 0, audit
+    # the restarted buffer replayed records whose batches were already out, and skipped them
+    assert b.recovered() > 0, b.log()[-3000:]
+
+
+async def test_two_buffer_processes_share_partitions_and_produce_every_batch_once(run_config, tmp_path):
+    cfg = buffer_config(run_config)
+    procs = [BufferProcess(cfg, tmp_path, "buf-1"), BufferProcess(cfg, tmp_path, "buf-2")]
+    try:
+        for p in procs:  # wait for the split: two partitions each
+            await p.wait_assigned(90, n=2)
+        expected = await produce_interleaved(cfg, waves=6, groups_per_wave=8, pause_s=0.1)
+        audit = await wait_all_decided(cfg, expected, 60, procs)
+        records = [r.value for r in await read_topic(cfg.kafka, cfg.names.batches, expect=Batch)]
+    finally:
+        codes = [p.terminate() for p in procs]
+    assert codes == [0, 0]
+    assert audit["reconciles"] and audit["batched"] == expected and audit["in_two_batches"] == 0, audit
+    assert audit["batch_records"] == audit["batches"]  # every batch published exactly once
+    assert expected // 8 <= audit["batches"] <= expected // 8 + 4  # full batches of 2 groups, a partial one per partition at most
+    assert {r.buffer_id for r in records} == {"buf-1", "buf-2"}
+    owners = {}
+    for r in records:
+        for gid in r.group_ids:
+            owners.setdefault(gid, set()).add(r.buffer_id)
+    assert all(len(v) == 1 for v in owners.values())
