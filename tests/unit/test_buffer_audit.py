@@ -1,0 +1,47 @@
+"""The audit's reconciliation as a pure function, and the ledger reader (no broker)."""
+
+from __future__ import annotations
+
+from buffer.audit import read_ledger, reconcile
+
+
+def ledger(*steps):
+    return [{"step": i + 1, "policy_version": i + 1, "batch_ids": list(b), "time": 0.0} for i, b in enumerate(steps)]
+
+
+def test_clean_run_reconciles():
+    eps = ["a/0", "a/1", "b/0", "b/1", "c/0", "c/1", "a/0"]  # a/0 delivered twice
+    out = reconcile(eps, [("B1", ["a/0", "a/1", "b/0", "b/1"])], [("zero_variance", ["c/0", "c/1"]),
+                                                                    ("duplicate", ["a/0"])],
+                    malformed=1, ledger=ledger(["B1"]))
+    assert out["produced"] == 6 and out["duplicate_records"] == 1 and out["records"] == 7
+    assert out["batched"] == 4 and out["batches"] == 1
+    assert out["dropped"] == {"zero_variance": 2, "duplicate": 1, "malformed": 1}
+    assert out["lost"] == 0 and out["reconciles"] and out["trained"] == 4 and out["trained_twice"] == 0
+
+
+def test_lost_and_conflicts_are_reported():
+    out = reconcile(["a/0", "a/1", "b/0", None], [("B1", ["a/0"])], [("stale", ["a/0"])])
+    assert out["lost"] == 2 and out["samples"]["lost"] == ["a/1", "b/0"]
+    assert out["batched_and_dropped"] == 1 and not out["reconciles"]
+    assert out["ledger_found"] is False and out["trained"] == 0
+
+
+def test_trained_twice_counts_only_batches_the_trainer_accepted():
+    eps = ["a/0", "a/1", "b/0", "b/1"]
+    batches = [("B1", ["a/0", "a/1"]), ("B2", ["a/0", "a/1", "b/0", "b/1"]), ("B1", ["a/1", "a/0"])]
+    # B1 republished (same id, the trainer dedups); B2 re-formed with a different id but never trained
+    out = reconcile(eps, batches, [], ledger=ledger(["B1"]))
+    assert out["in_two_batches"] == 2 and out["batch_records"] == 3 and out["batches"] == 2
+    assert out["trained_twice"] == 0 and out["trained"] == 2
+    out = reconcile(eps, batches, [], ledger=ledger(["B1"], ["B2"]))
+    assert out["trained_twice"] == 2 and out["samples"]["trained_twice"] == ["a/0", "a/1"]
+    out = reconcile(eps, batches, [], ledger=ledger(["B1"], ["B1"], ["X"]))  # one batch trained at two steps
+    assert out["trained_twice"] == 2 and out["trained_unknown_batches"] == 1
+
+
+def test_read_ledger_ignores_a_torn_last_line(tmp_path):
+    path = tmp_path / "ledger.jsonl"
+    assert read_ledger(path) is None
+    path.write_text('{"step": 1, "policy_version": 1, "batch_ids": ["B1"], "time": 1.0}\n{"step": 2, "batch')
+    assert read_ledger(path) == [{"step": 1, "policy_version": 1, "batch_ids": ["B1"], "time": 1.0}]
