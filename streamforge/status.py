@@ -28,8 +28,8 @@ async def kafka_status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any
                                "records_per_s": round((total - sum(first[topic].values())) / elapsed, 2)}
         group = groups.get(topic)
         if group:
-            committed = await group_offsets(config.kafka, group)
-            lag = sum(hw - committed.get((topic, p), 0) for p, hw in second[topic].items())
+            committed = await group_offsets(config.kafka, group, topic)
+            lag = sum(hw - committed.get(p, 0) for p, hw in second[topic].items())
             row.update({"group": group, "lag": lag})
         out[topic] = row
     return out

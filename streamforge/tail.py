@@ -68,10 +68,11 @@ async def tail(cfg: KafkaConfig, topic: str, *, follow: bool, max_messages: int,
             if records:
                 idle = 0
                 continue
-            caught_up = all(
-                consumer.highwater(tp) is not None and await consumer.position(tp) >= consumer.highwater(tp)
-                for tp in tps
-            )
+            caught_up = True
+            for tp in tps:
+                hw = consumer.highwater(tp)
+                if hw is None or await consumer.position(tp) < hw:
+                    caught_up = False
             idle += 1
             if not follow and (caught_up or idle > 10):
                 break

@@ -139,11 +139,21 @@ async def highwaters(cfg: KafkaConfig, topic: str, *, timeout_s: float = 5.0) ->
             await consumer.stop()
 
 
-async def group_offsets(cfg: KafkaConfig, group_id: str) -> dict[tuple[str, int], int]:
-    """Committed offsets of a consumer group: ``{(topic, partition): next offset}``."""
-    admin = await _admin(cfg)
+async def group_offsets(cfg: KafkaConfig, group_id: str, topic: str) -> dict[int, int]:
+    """Committed offsets of a consumer group on ``topic``: ``{partition: next offset}`` (absent = none).
+
+    Read with a consumer that names the group but never joins it (OffsetFetch), because Tansu's answer to the
+    admin client's ListConsumerGroupOffsets does not parse in aiokafka.
+    """
+    consumer = Consumer(cfg, [], group_id=group_id, client_id=f"{cfg.client_id}-offsets")
+    await consumer.start()
     try:
-        offsets = await admin.list_consumer_group_offsets(group_id)
+        out = {}
+        for tp in await partitions_of(consumer, topic):
+            committed = await consumer.committed(tp)
+            if committed is not None and committed >= 0:
+                out[tp.partition] = committed
+        return out
     finally:
-        await admin.close()
-    return {(tp.topic, tp.partition): meta.offset for tp, meta in offsets.items() if meta.offset >= 0}
+        with contextlib.suppress(Exception):
+            await consumer.stop()

@@ -40,7 +40,7 @@ def connect_kwargs(cfg: NatsConfig, *, name: str) -> dict[str, Any]:
         "servers": cfg.url.split(","),
         "name": name,
         "connect_timeout": cfg.connect_timeout_s,
-        "max_reconnect_attempts": -1,  # keep trying forever once connected; roles degrade, not die
+        "max_reconnect_attempts": 1,  # the initial connect is retried by ``connect`` below
         "reconnect_time_wait": 0.5,
     }
     token = os.environ.get(cfg.token_env, "")
@@ -67,7 +67,9 @@ async def connect(cfg: NatsConfig, *, name: str) -> NATS:
     delay = 0.25
     for attempt in range(1, cfg.connect_retries + 1):
         try:
-            return await nats.connect(**kw, error_cb=on_error, allow_reconnect=True)
+            nc = await nats.connect(**kw, error_cb=on_error, allow_reconnect=True)
+            nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever: roles degrade, not die
+            return nc
         except Exception as exc:  # nats-py raises NoServersError, OSError, TimeoutError...
             if attempt == cfg.connect_retries:
                 raise BrokerUnavailable("nats", cfg.url, f"{type(exc).__name__}: {exc}") from exc
