@@ -37,6 +37,8 @@ class _FieldSpec:
     required: bool
     dtype: str = ""
     ndim: int = 0
+    np_dtype: Any = None  # little-endian numpy dtype of a tensor field
+    exact: Any = None  # the Python type a value of a simple kind must have exactly (fast path)
 
 
 def _kind_of(tp: Any) -> str:
@@ -65,9 +67,11 @@ def _specs(cls: type) -> tuple[_FieldSpec, ...]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if "tensor" in f.metadata:
             dtype, ndim = f.metadata["tensor"]
-            out.append(_FieldSpec(f.name, "tensor", required, dtype, ndim))
+            out.append(_FieldSpec(f.name, "tensor", required, dtype, ndim, np.dtype(dtype).newbyteorder("<")))
         else:
-            out.append(_FieldSpec(f.name, _kind_of(hints[f.name]), required))
+            kind = _kind_of(hints[f.name])
+            exact = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}.get(kind)
+            out.append(_FieldSpec(f.name, kind, required, exact=exact))
     return tuple(out)
 
 
@@ -94,16 +98,11 @@ def known_schemas() -> dict[tuple[str, int], type]:
 
 
 def _encode_tensor(name: str, arr: Any, spec: _FieldSpec) -> dict[str, Any]:
-    if not isinstance(arr, np.ndarray):
-        arr = np.asarray(arr, dtype=spec.dtype)
+    if type(arr) is not np.ndarray or arr.dtype != spec.np_dtype or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(np.asarray(arr).astype(spec.np_dtype, copy=False))
     if arr.ndim != spec.ndim:
         raise InvalidMessage(f"field {name!r}: expected rank {spec.ndim}, got shape {arr.shape}")
-    if arr.dtype.name != spec.dtype:
-        arr = arr.astype(spec.dtype)
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    arr = np.ascontiguousarray(arr)
-    data = memoryview(arr).cast("B") if arr.size else b""
+    data = arr.data.cast("B") if arr.size else b""
     return {"dtype": spec.dtype, "shape": list(arr.shape), "data": data}
 
 
@@ -119,7 +118,7 @@ def to_wire(msg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"schema": cls.SCHEMA, "v": cls.VERSION}
     for spec in specs:
         value = getattr(msg, spec.name)
-        out[spec.name] = _encode_tensor(spec.name, value, spec) if spec.kind == "tensor" else value
+        out[spec.name] = value if spec.np_dtype is None else _encode_tensor(spec.name, value, spec)
     return out
 
 
@@ -140,52 +139,61 @@ def encode(msg: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
 
 
 def _decode_tensor(name: str, value: Any, spec: _FieldSpec) -> np.ndarray:
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+    if type(value) is not dict or len(value) != 3:
         raise MalformedMessage(f"field {name!r}: a tensor must be a map of dtype, shape and data")
-    dtype, shape, data = value["dtype"], value["shape"], value["data"]
+    try:
+        dtype, shape, data = value["dtype"], value["shape"], value["data"]
+    except KeyError:
+        raise MalformedMessage(f"field {name!r}: a tensor must be a map of dtype, shape and data") from None
     if dtype != spec.dtype:
         raise InvalidMessage(f"field {name!r}: dtype {dtype!r}, expected {spec.dtype!r}")
-    if not isinstance(shape, list) or len(shape) != spec.ndim or not all(
-        type(d) is int and 0 <= d < 2**31 for d in shape
-    ):
+    if type(shape) is not list or len(shape) != spec.ndim:
         raise InvalidMessage(f"field {name!r}: shape {shape!r} is not a rank-{spec.ndim} shape")
-    if not isinstance(data, bytes):
+    count = 1
+    for d in shape:
+        if type(d) is not int or not 0 <= d < 2**31:
+            raise InvalidMessage(f"field {name!r}: shape {shape!r} is not a rank-{spec.ndim} shape")
+        count *= d
+    if type(data) is not bytes:
         raise MalformedMessage(f"field {name!r}: data must be bin")
-    np_dtype = np.dtype(dtype).newbyteorder("<")
-    if len(data) != math.prod(shape) * np_dtype.itemsize:
+    if len(data) != count * spec.np_dtype.itemsize:
         raise MalformedMessage(f"field {name!r}: {len(data)} bytes do not fill shape {shape} of {dtype}")
-    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    arr = np.frombuffer(data, dtype=spec.np_dtype)
+    return arr if spec.ndim == 1 else arr.reshape(shape)
+
+
+_SIMPLE = {"str": (str,), "int": (int,), "bool": (bool,), "bytes": (bytes,)}
 
 
 def _check(name: str, kind: str, value: Any) -> Any:
-    ok: bool
-    if kind == "str":
-        ok = isinstance(value, str)
-    elif kind == "int":
-        ok = type(value) is int
+    simple = _SIMPLE.get(kind)
+    if simple is not None:
+        if type(value) in simple:
+            return value
     elif kind == "float":
+        if type(value) is float:
+            return value
         if type(value) is int:
-            value = float(value)
-        ok = type(value) is float
-    elif kind == "bool":
-        ok = type(value) is bool
-    elif kind == "bytes":
-        ok = isinstance(value, bytes)
+            return float(value)
     elif kind == "dict_float":
-        ok = isinstance(value, dict) and all(
-            isinstance(k, str) and type(v) in (int, float) for k, v in value.items()
-        )
-        if ok:
-            value = {k: float(v) for k, v in value.items()}
+        if type(value) is dict:
+            out = {}
+            for k, v in value.items():
+                if type(k) is not str or type(v) not in (int, float):
+                    break
+                out[k] = float(v)
+            else:
+                return out
     elif kind == "dict_any":
-        ok = isinstance(value, dict) and all(isinstance(k, str) for k in value)
+        if type(value) is dict and all(type(k) is str for k in value):
+            return value
     elif kind == "list_str":
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
-    else:  # pragma: no cover - specs are built from a closed set
-        ok = False
-    if not ok:
-        raise MalformedMessage(f"field {name!r}: expected {kind}, got {type(value).__name__}")
-    return value
+        if type(value) is list and all(type(v) is str for v in value):
+            return value
+    raise MalformedMessage(f"field {name!r}: expected {kind}, got {type(value).__name__}")
+
+
+_MISSING = object()
 
 
 def from_wire(obj: Any) -> Any:
@@ -198,12 +206,14 @@ def from_wire(obj: Any) -> Any:
         raise UnknownSchema(name, version)
     kwargs: dict[str, Any] = {}
     for spec in _SPECS[cls]:
-        if spec.name not in obj:
+        value = obj.get(spec.name, _MISSING)
+        if value is _MISSING:
             if spec.required:
                 raise MalformedMessage(f"{name} v{version}: missing field {spec.name!r}")
             continue
-        value = obj[spec.name]
-        if spec.kind == "tensor":
+        if type(value) is spec.exact:
+            kwargs[spec.name] = value
+        elif spec.np_dtype is not None:
             kwargs[spec.name] = _decode_tensor(spec.name, value, spec)
         else:
             kwargs[spec.name] = _check(spec.name, spec.kind, value)
