@@ -269,8 +269,20 @@ class Consumer:
         except KafkaError as exc:
             raise BrokerError(f"commit failed: {exc}", retriable=True) from exc
 
-    async def committed(self, tp: TopicPartition) -> int | None:
-        return await self._consumer.committed(tp)
+    async def committed(self, tp: TopicPartition, *, attempts: int = 5) -> int | None:
+        """The group's committed offset of ``tp`` (None if none). Retried: Tansu sometimes answers an
+        OffsetFetch with a frame aiokafka cannot parse, which drops the connection (a new one then works)."""
+        delay = 0.1
+        for attempt in range(1, attempts + 1):
+            try:
+                return await self._consumer.committed(tp)
+            except KafkaError as exc:
+                if attempt == attempts:
+                    raise BrokerError(f"offset fetch for {tp} failed: {exc}", retriable=True) from exc
+                log.warning("offset fetch for %s failed (%s); retrying", tp, exc)
+                await asyncio.sleep(delay)
+                delay *= 2
+        raise AssertionError("unreachable")
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
