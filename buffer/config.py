@@ -36,6 +36,10 @@ class BufferConfig:
     dedup_window: int = 200_000  # decided episode ids remembered for deduplication
     poll_max_records: int = 1000  # records per fetch
     recovery_skew_s: float = 120.0  # clock skew allowed between generators and buffers when recovering
+    commit_interval_s: float = 0.2  # commit episode offsets at most this often (and on drain)
+    # compression of the buffer's own records (batches, drops); empty = kafka.compression. Not lz4 by default:
+    # aiokafka's lz4 is LZ4HC level 9, measured 7 MB/s on a Batch here (snappy 285 MB/s, zstd 71 MB/s).
+    output_compression: str = "snappy"
 
     def __post_init__(self) -> None:
         if self.incomplete_policy not in ("drop", "complete"):
@@ -60,5 +64,9 @@ class BufferConfig:
             raise ConfigError("buffer.max_batch_wait_s", "must be positive")
         if self.dedup_window < 1 or self.poll_max_records < 1:
             raise ConfigError("buffer.dedup_window", "dedup_window and poll_max_records must be at least 1")
+        if self.output_compression not in ("", "none", "gzip", "lz4", "zstd", "snappy"):
+            raise ConfigError("buffer.output_compression", "must be '', none, gzip, lz4, zstd or snappy")
+        if self.commit_interval_s < 0:
+            raise ConfigError("buffer.commit_interval_s", "must be >= 0")
         if self.reward_scale <= 0 or self.reward_clip < 0:
             raise ConfigError("buffer.reward_scale", "reward_scale must be > 0 and reward_clip >= 0")

@@ -26,6 +26,9 @@ Delivery and crash safety:
 * On a rebalance the revoked partitions' in-flight publishes finish (the revoke callback waits for the loop's
   lock) before their state is dropped, so the new owner's recovery scan sees them.
 
+Throughput: decisions are handed to the producer without waiting for their acknowledgements (``_settle`` marks
+them decided as acks arrive, in order); offsets are committed at most every ``commit_interval_s``.
+
 Backpressure: the loop fetches at most ``max_pending_episodes - held`` records and pauses the consumer while
 ``held >= max_pending_episodes`` (the backlog stays in Kafka, not in RAM); held records drain as groups complete
 or time out.
@@ -34,6 +37,7 @@ or time out.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -102,6 +106,8 @@ class BufferRole(Service):
         self._lock = asyncio.Lock()  # one loop iteration, or one rebalance step, at a time
         self._epoch = 0  # bumped on every revoke: records fetched before it are discarded
         self._committed: dict[int, int] = {}
+        self._inflight: list[tuple[Decision, asyncio.Future]] = []  # published, not yet acknowledged
+        self._last_commit = 0.0
         self._paused = False
         self._draining = False
         self._listener_error: Exception | None = None  # a failed rebalance step (recovery) ends the role
@@ -116,7 +122,8 @@ class BufferRole(Service):
     # -- lifecycle ----------------------------------------------------------------------------
     async def _start(self) -> None:
         kafka = self.config.kafka
-        self.producer = Producer(kafka, client_id=f"buffer-{self.buffer_id}")
+        out_cfg = dataclasses.replace(kafka, compression=self.cfg.output_compression or kafka.compression)
+        self.producer = Producer(out_cfg, client_id=f"buffer-{self.buffer_id}")
         await self.producer.start()
         self.dead = DeadLetters(self.producer, self.names, "buffer")
         self._nc = await connect(self.config.nats, name=f"buffer-{self.buffer_id}")
@@ -154,7 +161,8 @@ class BufferRole(Service):
             assert self.consumer is not None
             self.consumer.pause()
             await self._decide(final=True)
-            await self._commit()
+            await self._settle(wait=True)
+            await self._commit(force=True)
 
     # -- loops --------------------------------------------------------------------------------
     async def _consume_loop(self) -> None:
@@ -182,6 +190,7 @@ class BufferRole(Service):
                     continue
                 await self._handle(records, epoch)
                 await self._decide(final=False)
+                await self._settle(wait=False)
                 await self._commit()
                 self._backpressure()
             self._report()
@@ -223,9 +232,8 @@ class BufferRole(Service):
             await self._publish(decisions)
 
     async def _publish(self, decisions: list[Decision]) -> None:
-        """Send every decision (pipelined), await all acknowledgements, then mark them decided."""
+        """Hand every decision to the producer (pipelined); ``_settle`` marks them decided once acknowledged."""
         assert self.producer is not None
-        futures = []
         for d in decisions:
             links = [lk for lk in (link_to(c) for c in d.contexts[:MAX_LINKS]) if lk is not None]
             name = "buffer.batch" if d.kind == "batch" else "buffer.drop"
@@ -242,16 +250,29 @@ class BufferRole(Service):
                     rec = DropRecord(episode_ids=d.episode_ids, reason=d.reason, group_id=d.group_id,
                                      detail=d.detail, buffer_id=self.buffer_id)
                     fut = await self.producer.enqueue(self.names.drops, rec, key=d.group_id)
-            futures.append(fut)
-        await asyncio.gather(*futures)
-        for d in decisions:
+            self._inflight.append((d, fut))
+
+    async def _settle(self, *, wait: bool) -> None:
+        """Mark acknowledged decisions DECIDED, in publication order (all of them, waiting, with ``wait``).
+
+        A publish the producer gave up on raises: the role stops and its successor replays (nothing committed).
+        """
+        if wait and self._inflight:
+            await asyncio.wait([f for _, f in self._inflight])
+        while self._inflight and self._inflight[0][1].done():
+            d, fut = self._inflight.pop(0)
+            fut.result()
             self.state.ack(d)
             if record_metric is not None:
                 key = "buffer/batches" if d.kind == "batch" else f"buffer/dropped/{d.reason}"
                 record_metric(key, 1 if d.kind == "batch" else len(d.episode_ids), "sum")
 
-    async def _commit(self) -> None:
+    async def _commit(self, *, force: bool = False) -> None:
         assert self.consumer is not None
+        now = time.monotonic()
+        if not force and now - self._last_commit < self.cfg.commit_interval_s:
+            return
+        self._last_commit = now
         assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.names.episodes}
         offsets = {TopicPartition(self.names.episodes, p): off for p, off in self.state.committable().items()
                    if p in assigned and self._committed.get(p) != off}
@@ -287,6 +308,7 @@ class BufferRole(Service):
         if not parts:
             return  # the first join revokes nothing
         async with self._lock:  # in-flight publishes of these partitions finish first
+            await self._settle(wait=True)
             # records fetched before this revoke are discarded: the next assignment resets every position to
             # the committed offset, so they are fetched again by whoever owns their partition then
             self._epoch += 1

@@ -1,0 +1,243 @@
+"""Benchmark: episodes/s through the replay buffer vs raw aiokafka produce+consume of the same bytes.
+
+One run, one embedded broker (Tansu + nats-server, started here), two measurements with the same topology:
+
+* raw:    this process produces the encoded episodes (the same bytes, keyed by group_id) to a topic; a child
+          process consumes them with a plain aiokafka consumer (no decoding). Episodes/s = N / (time from the
+          first send to the child's last record).
+* buffer: this process produces the same bytes to the run's ``episodes`` topic; a child process runs the buffer
+          (``python -m buffer.service``: decode, dedup, group, advantages, build and publish Batches, commit);
+          this process reads the ``batches`` topic. Episodes/s = N / (time from the first send until every
+          episode is in a batch this process has read).
+
+Children are started and ready (partitions assigned) before the clock starts. Last line:
+``{"bench": "bus", "episodes_per_s_vs_raw": X}`` (goal: >= 0.8).
+
+Runs alternate (raw, buffer, raw, buffer...) on fresh topics and the best of each is compared, which damps the
+noise of a shared machine.
+
+Usage: ``python bench/bus.py [--episodes N] [--group-size G] [--prompt-len P] [--response-len R] [--repeats K]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import msgpack  # noqa: E402
+from aiokafka import AIOKafkaConsumer, TopicPartition  # noqa: E402
+
+from buffer.synthetic import make_group  # noqa: E402
+from streamforge.brokers import EmbeddedBrokers  # noqa: E402
+from streamforge.config import dump_config, load_config  # noqa: E402
+from topics import codec  # noqa: E402
+from topics.admin import ensure_topics  # noqa: E402
+from topics.kafka import Producer, client_kwargs  # noqa: E402
+
+
+def make_config(brokers: EmbeddedBrokers, prefix: str, run_dir: Path, extra: list[str] = ()):  # type: ignore[assignment]
+    return load_config(None, [
+        f"--run.prefix={prefix}", f"--run.run_dir={run_dir}", f"--kafka.bootstrap={brokers.kafka_bootstrap}",
+        f"--nats.url={brokers.nats_url}", "--telemetry.traces=none", *COMMON, *extra,
+    ], environ={})
+
+
+COMMON: list[str] = []  # overrides shared by both paths (--compression)
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc); 0 when unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class CpuMeter:
+    """CPU seconds spent by this process, the broker and a child between ``start`` and ``stop``."""
+
+    def __init__(self, broker_pid: int) -> None:
+        self.broker_pid = broker_pid
+        self.child_pid = 0
+
+    def start(self, child_pid: int) -> None:
+        self.child_pid = child_pid
+        t = os.times()
+        self._t0 = (t.user + t.system, cpu_s(self.broker_pid), cpu_s(child_pid))
+
+    def stop(self) -> dict[str, float]:
+        t = os.times()
+        now = (t.user + t.system, cpu_s(self.broker_pid), cpu_s(self.child_pid))
+        return {k: round(b - a, 2) for k, a, b in zip(("main", "broker", "child"), self._t0, now)}
+
+
+async def produce(cfg, topic: str, payloads: list[tuple[str, bytes]]) -> float:
+    """Send every payload (pipelined, acks awaited); returns the wall time of the first send."""
+    async with Producer(cfg.kafka, client_id="bench-producer") as producer:
+        t0 = time.time()
+        futs = [await producer.enqueue_raw(topic, value, key=key) for key, value in payloads]
+        await asyncio.gather(*futs)
+    return t0
+
+
+# -- raw consumer child -------------------------------------------------------------------------------------
+
+async def raw_consumer(bootstrap: str, topic: str, n: int) -> None:
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                fetch_max_bytes=52428800, max_partition_fetch_bytes=16 * 1024 * 1024)
+    await consumer.start()
+    try:
+        await consumer.topics()
+        parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, 0)
+        print("ready", flush=True)
+        got, nbytes = 0, 0
+        while got < n:
+            batches = await consumer.getmany(timeout_ms=500, max_records=2000)
+            for records in batches.values():
+                got += len(records)
+                nbytes += sum(len(r.value) for r in records)
+        print(f"done {time.time():.6f} {got} {nbytes}", flush=True)
+    finally:
+        await consumer.stop()
+
+
+async def measure_raw(cfg, payloads: list[tuple[str, bytes]], meter: CpuMeter) -> tuple[float, dict]:
+    topic = cfg.names.episodes
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--raw-consumer", cfg.kafka.bootstrap, topic, str(len(payloads)),
+        stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+    )
+    assert child.stdout is not None
+    line = await asyncio.wait_for(child.stdout.readline(), 60)
+    assert line.strip() == b"ready", line
+    meter.start(child.pid)
+    t0 = await produce(cfg, topic, payloads)
+    line = await asyncio.wait_for(child.stdout.readline(), 300)
+    cpu = meter.stop()
+    await child.wait()
+    t_end = float(line.split()[1])
+    return len(payloads) / (t_end - t0), cpu
+
+
+# -- buffer path ----------------------------------------------------------------------------------------------
+
+async def wait_for_log(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not re.search(pattern, path.read_text(errors="replace")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"buffer not ready:\n{path.read_text(errors='replace')[-3000:]}")
+        await asyncio.sleep(0.1)
+
+
+async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path,
+                         meter: CpuMeter) -> tuple[float, int, dict]:
+    cfg_path = workdir / "buffer.yaml"
+    cfg_path.write_text(dump_config(cfg))
+    log_path = workdir / "buffer.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "buffer.service", str(cfg_path)], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await wait_for_log(log_path, r"partitions assigned \[0, 1, 2, 3\]", proc, 90)
+        reader = AIOKafkaConsumer(**client_kwargs(cfg.kafka, client_id="bench-batches"), group_id=None,
+                                  enable_auto_commit=False, fetch_max_bytes=52428800,
+                                  max_partition_fetch_bytes=cfg.kafka.max_message_bytes + 65536)
+        await reader.start()
+        try:
+            tp = TopicPartition(cfg.names.batches, 0)
+            reader.assign([tp])
+            reader.seek(tp, 0)
+            meter.start(proc.pid)
+            sending = asyncio.ensure_future(produce(cfg, cfg.names.episodes, payloads))
+            got, batches = 0, 0
+            deadline = time.monotonic() + 300
+            while got < len(payloads):
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"only {got} episodes batched:\n{log_path.read_text()[-3000:]}")
+                for records in (await reader.getmany(timeout_ms=500)).values():
+                    for rec in records:
+                        got += len(msgpack.unpackb(rec.value, raw=False)["episode_ids"])
+                        batches += 1
+            t_end = time.time()
+            cpu = meter.stop()
+            t0 = await sending
+        finally:
+            await reader.stop()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return len(payloads) / (t_end - t0), batches, cpu
+
+
+async def run(args: argparse.Namespace) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-bus-"))
+    brokers = EmbeddedBrokers(workdir / "brokers")
+    await brokers.start()
+    try:
+        buffer_overrides = [
+            f"--buffer.groups_per_batch={args.groups_per_batch}", "--buffer.max_batch_wait_s=0.5",
+            "--buffer.poll_max_records=2000", "--buffer.max_pending_episodes=20000",
+        ]
+        groups = args.episodes // args.group_size
+        payloads = [
+            (e.group_id, codec.encode(e))
+            for g in range(groups)
+            for e in make_group(f"g{g}", args.group_size, prompt_len=args.prompt_len,
+                                response_len=args.response_len, rewards=[float(i % 3) for i in range(args.group_size)])
+        ]
+        meter = CpuMeter(brokers._procs["tansu"].pid if hasattr(brokers, "_procs") else 0)
+        raws, bufs = [], []
+        for r in range(args.repeats):  # alternate, each on fresh topics, and keep the best of each
+            raw_cfg = make_config(brokers, f"benchraw{r}", workdir / f"raw{r}")
+            buf_cfg = make_config(brokers, f"benchbuf{r}", workdir / f"buf{r}", buffer_overrides)
+            for cfg in (raw_cfg, buf_cfg):
+                await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
+            raws.append(await measure_raw(raw_cfg, payloads, meter))
+            bufs.append(await measure_buffer(buf_cfg, payloads, workdir, meter))
+        raw, buf = max(r[0] for r in raws), max(b[0] for b in bufs)
+        return {"episodes": len(payloads), "episode_bytes": sum(len(v) for _, v in payloads) // len(payloads),
+                "raw_episodes_per_s": [round(r[0], 1) for r in raws],
+                "buffer_episodes_per_s": [round(b[0], 1) for b in bufs], "batches": bufs[0][1],
+                "cpu_s_raw": [r[1] for r in raws], "cpu_s_buffer": [b[2] for b in bufs], "ratio": buf / raw}
+    finally:
+        brokers.stop()
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-consumer":
+        asyncio.run(raw_consumer(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=16000)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--groups-per-batch", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--response-len", type=int, default=192)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating raw/buffer runs; the best of each counts")
+    parser.add_argument("--compression", default="", help="kafka.compression for both paths (default: config's)")
+    args = parser.parse_args()
+    if args.compression:
+        COMMON.append(f"--kafka.compression={args.compression}")
+    out = asyncio.run(run(args))
+    print(json.dumps({k: v for k, v in out.items() if k != "ratio"}))
+    print(json.dumps({"bench": "bus", "episodes_per_s_vs_raw": round(out["ratio"], 3)}))
+
+
+if __name__ == "__main__":
+    main()
