@@ -57,7 +57,7 @@ from topics.errors import BrokerError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
 from topics.schemas import DropRecord, Episode
-from topics.tracing import link_to
+from topics.tracing import context_from_kafka, link_to
 
 try:
     from streamforge.metrics import flush_metrics, record_metric
@@ -224,7 +224,9 @@ class BufferRole(Service):
                 self.counters["dead_lettered"] += 1
                 self.state.skip(rec.partition, rec.offset)
                 continue
-            self.state.add(rec.value, partition=rec.partition, offset=rec.offset, now=now, context=rec.context)
+            # the trace headers, turned into span links only when a span records (tracing is on)
+            ctx = rec.headers if "traceparent" in rec.headers else None
+            self.state.add(rec.value, partition=rec.partition, offset=rec.offset, now=now, context=ctx)
 
     async def _decide(self, *, final: bool) -> None:
         decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version, final=final)
@@ -235,9 +237,13 @@ class BufferRole(Service):
         """Hand every decision to the producer (pipelined); ``_settle`` marks them decided once acknowledged."""
         assert self.producer is not None
         for d in decisions:
-            links = [lk for lk in (link_to(c) for c in d.contexts[:MAX_LINKS]) if lk is not None]
             name = "buffer.batch" if d.kind == "batch" else "buffer.drop"
-            with tracer.start_as_current_span(name, links=links) as span:
+            with tracer.start_as_current_span(name) as span:
+                if span.is_recording():  # links to the spans that produced the episodes
+                    for headers in d.contexts[:MAX_LINKS]:
+                        link = link_to(context_from_kafka(headers))
+                        if link is not None:
+                            span.add_link(link.context)
                 span.set_attribute("buffer.episodes", len(d.episode_ids))
                 span.set_attribute("buffer.groups", d.group_ids[:MAX_LINKS])
                 span.set_attribute("buffer.partition", d.partition)
@@ -363,7 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(path, [a for a in argv if a.startswith("--")])
     logging.basicConfig(level=config.telemetry.log_level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run_service(BufferRole(config))
+    from streamforge.metrics import configure_metrics
+    from streamforge.telemetry import setup_tracing, shutdown_tracing
+
+    setup_tracing("buffer", config.run_dir, exporter=config.telemetry.traces,
+                  otlp_endpoint=config.telemetry.otlp_endpoint)
+    configure_metrics("buffer", config.run_dir, config.telemetry.metrics)
+    try:
+        return run_service(BufferRole(config))
+    finally:
+        shutdown_tracing()
 
 
 if __name__ == "__main__":

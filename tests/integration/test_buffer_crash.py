@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import re
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import pytest
 from buffer.audit import run_audit
 from buffer.synthetic import make_group
 from streamforge.config import dump_config
+from streamforge.telemetry import read_spans
 from topics.admin import read_topic
 from topics.kafka import Producer
 from topics.schemas import Batch
@@ -90,6 +92,13 @@ class BufferProcess:
         return self.proc.returncode
 
 
+def traceparent(ep) -> bytes:
+    """A W3C traceparent as a generator would send it: one trace per group, one span per episode."""
+    trace_id = hashlib.sha256(ep.group_id.encode()).hexdigest()[:32]
+    span_id = hashlib.sha256(ep.episode_id.encode()).hexdigest()[:16]
+    return f"00-{trace_id}-{span_id}-01".encode()
+
+
 async def produce_interleaved(cfg, waves: int, groups_per_wave: int, pause_s: float) -> int:
     """Each wave sends the first half of its groups and the second half of the previous wave's groups, so at
     any moment some groups are open (holding the committed offset back) while later ones are batched."""
@@ -101,7 +110,8 @@ async def produce_interleaved(cfg, waves: int, groups_per_wave: int, pause_s: fl
             cur = [make_group(f"w{w}g{k}", size, rewards=[0, 1, k % 2, 1]) for k in range(groups_per_wave)] \
                 if w < waves else []
             records = [e for g in cur for e in g[:2]] + [e for g in prev for e in g[2:]]
-            futs = [await producer.enqueue(cfg.names.episodes, e, key=e.group_id) for e in records]
+            futs = [await producer.enqueue(cfg.names.episodes, e, key=e.group_id, headers=[("traceparent", traceparent(e))])
+                    for e in records]
             await asyncio.gather(*futs)
             total += len(records)
             prev = cur
@@ -166,6 +176,13 @@ async def test_sigkill_mid_stream_then_restart_loses_nothing_trains_nothing_twic
     assert audit["in_two_batches"] == 0 and audit["batched_and_dropped"] == 0, audit
     # the restarted buffer replayed records whose batches were already out, and skipped them
     assert b.recovered() > 0, b.log()[-3000:]
+    # its batch spans link to the episodes' producer spans (one trace per group)
+    spans = [sp for sp in read_spans(cfg.run_dir / "traces.jsonl") if sp["name"] == "buffer.batch"]
+    assert spans and all(sp["service"] == "buffer" for sp in spans)
+    for sp in spans:
+        groups = sp["attributes"]["buffer.groups"]
+        want = {hashlib.sha256(g.encode()).hexdigest()[:32] for g in groups}
+        assert {lk["trace_id"] for lk in sp["links"]} == want and len(sp["links"]) == 4 * len(groups)
 
 
 async def test_two_buffer_processes_share_partitions_and_produce_every_batch_once(run_config, tmp_path):
