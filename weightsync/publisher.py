@@ -215,11 +215,15 @@ class WeightPublisher:
                             self.cfg.member_timeout_s)
                 self.counters["members_expired"] += 1
                 self._close_member(m)
-            targets = [m for m in self.registry.members.values() if not self.collective or self._reachable(m)]
+            # Every member is expected to ack. A member without a working pair group (it joined before any
+            # collective version existed, or its pair broke) joins on this notification and gets the snapshot
+            # pushed at once; a dead one is fenced at the deadline and expires from the membership later.
+            targets = list(self.registry.members.values())
             if self.collective:
                 self._latest = snapshot
                 for m in targets:
-                    sends[m.generator_id] = self._queue_push(m, snapshot)
+                    if self._reachable(m):
+                        sends[m.generator_id] = self._queue_push(m, snapshot)
             self._round_version = version
             self._round_acks = {}
             self._waiting = {m.generator_id for m in targets if not self.registry.acked(m.generator_id, version)}

@@ -1,0 +1,251 @@
+"""Generator side of weight sync: follow the policy store, load each new version into the engine, acknowledge it.
+
+``WeightReceiver(cfg, engine=, nc=, names=, generator_id=)`` is driven by the generator role: ``start()``, then the
+role supervises ``loop()``, then ``stop()`` (which says ``leave``). ``loop()`` runs two tasks:
+
+* heartbeat: a ``Membership`` ``heartbeat`` with the loaded version every ``heartbeat_s`` (waits on a timer only);
+* follow: consumes ``PolicyStore.watch()`` (the current version first, which is how a late joiner catches up, then
+  every newer one). For each version newer than ``engine.version``:
+
+  - ``file``: ``engine.swap(v, reload_weights(weights_path=pv.path))``;
+  - ``gloo``/``nccl``: if not joined to that trainer's rendezvous yet (or the pair broke), *join*: a NATS request
+    on the membership subject that the trainer answers after starting its side of the pair group, with the version
+    it will push at once (``-1`` for none); then ``init_weight_transfer_engine``. Each push is prefetched into host
+    memory by the worker while generation continues (``weightsync_prefetch``), and only the load happens inside
+    ``engine.swap`` (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``), so the pause is
+    the load, not the transfer;
+  - ``none``: the initial weights of the model path; adopted without loading.
+
+  and publishes a ``VersionAck`` (ok, pause and transfer times, or the error). A failed transfer drops the pair;
+  the next attempt re-joins, and the trainer's join push brings the newest version. Every RPC into the engine and
+  every NATS request is bounded by ``timeout_s``; timeouts are logged and counted in ``counters``.
+
+Generation keeps going throughout: with ``pause_mode="keep"`` paused requests continue after the swap, and their
+later tokens carry the new version (the engine stamps per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+from collections import Counter
+from typing import Any
+
+import nats.errors
+
+from topics.errors import StreamforgeError, TimeoutExpired
+from topics.names import Names
+from topics.nats import PolicyStore, publish_msg, request_msg
+from topics.schemas import Membership, PolicyVersion, VersionAck
+from weightsync.config import WeightSyncConfig
+from weightsync.members import FENCED_KEY, parse_fenced
+
+log = logging.getLogger("streamforge.weightsync.receiver")
+
+
+class LoadFailed(StreamforgeError):
+    """A version could not be loaded into the engine (retriable: the next attempt re-joins)."""
+
+    retriable = True
+
+
+class WeightReceiver:
+    """Keeps one generator's engine on the latest policy version; see the module docstring."""
+
+    name = "weightsync"
+
+    def __init__(self, cfg: WeightSyncConfig, *, engine: Any, nc: Any, names: Names, generator_id: str) -> None:
+        self.cfg = cfg
+        self.engine = engine
+        self.nc = nc
+        self.names = names
+        self.generator_id = generator_id
+        self.store = PolicyStore(nc, names)
+        self.counters: Counter[str] = Counter()
+        self.latest_seen = -1  # newest version announced by the store
+        self.pauses_ms: list[float] = []
+        self._address = ""  # trainer rendezvous this engine is joined to ("" = none)
+        self._started = False
+        self._stopped = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        await self.store.start()
+        await self._announce("join")
+
+    async def stop(self) -> None:
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        try:
+            await self._announce("leave")
+        except Exception as exc:  # the broker may already be gone at shutdown
+            log.warning("could not announce leave: %s", exc)
+
+    async def __aenter__(self) -> WeightReceiver:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def loop(self) -> None:
+        """Heartbeat and follow the store until cancelled (a crash of either propagates to the supervisor)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._heartbeat(), name="weightsync-heartbeat")
+            tg.create_task(self._follow(), name="weightsync-follow")
+
+    # -- membership -------------------------------------------------------------------------------
+    def _membership(self, event: str) -> Membership:
+        return Membership(generator_id=self.generator_id, event=event, version=int(self.engine.version),
+                          host=socket.gethostname(), pid=os.getpid())
+
+    async def _announce(self, event: str) -> None:
+        await asyncio.wait_for(publish_msg(self.nc, self.names.membership_subject, self._membership(event)),
+                               self.cfg.timeout_s)
+
+    async def _heartbeat(self) -> None:
+        """Waits ``heartbeat_s`` between beats; a failed beat is logged and counted, never fatal."""
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            try:
+                await self._announce("heartbeat")
+            except Exception as exc:
+                self.counters["heartbeat_failures"] += 1
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _join(self, pv: PolicyVersion) -> int:
+        """Join the trainer's rendezvous at ``pv.address``; returns the version the trainer pushes now (-1: none)."""
+        msg = self._membership("join")
+        try:
+            reply = await request_msg(self.nc, self.names.membership_subject, msg, timeout=self.cfg.join_timeout_s,
+                                      expect=PolicyVersion)
+        except (TimeoutExpired, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            self.counters["join_timeouts"] += 1
+            raise LoadFailed(f"no trainer answered the join for version {pv.version}: {exc}") from exc
+        address = reply.address or pv.address
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        info = {"address": address, "session": f"{msg.generator_id}/{msg.pid}/{msg.created_at:.6f}",
+                "timeout_s": self.cfg.timeout_s, "host": self.cfg.generator_host}
+        await self._rpc(self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
+                        "init_weight_transfer_engine")
+        self._address = address
+        log.info("joined the trainer at %s (push of version %d)", address, reply.version)
+        return reply.version
+
+    # -- following the store ------------------------------------------------------------------
+    async def _follow(self) -> None:
+        """Consumes the store's watch; waits on it between versions; each version is loaded (or fails) and acked."""
+        async for pv in self.store.watch():
+            self.latest_seen = max(self.latest_seen, pv.version)
+            if pv.version <= self.engine.version:
+                continue
+            await self.sync(pv)
+
+    async def sync(self, pv: PolicyVersion) -> bool:
+        """Bring the engine to ``pv`` (or newer, for a join push); ack; returns whether it succeeded."""
+        for attempt in (1, 2):
+            try:
+                await self._sync_once(pv)
+                return True
+            except Exception as exc:
+                self.counters["load_failures"] += 1
+                log.warning("version %d: attempt %d failed: %s: %s", pv.version, attempt, type(exc).__name__, exc)
+                self._address = ""
+                err = f"{type(exc).__name__}: {exc}"
+        await self._ack(pv.version, ok=False, error=err)
+        return False
+
+    async def _sync_once(self, pv: PolicyVersion) -> None:
+        if pv.transport == "none":
+            self.engine.version = pv.version
+            await self._ack(pv.version)
+            return
+        if pv.transport == "file":
+            t0 = time.perf_counter()
+            pause = await self.engine.swap(pv.version, self._file_loader(pv.path), mode=self.cfg.pause_mode)
+            await self._ack(pv.version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
+            return
+        if pv.transport not in ("gloo", "nccl"):
+            raise LoadFailed(f"unknown transport {pv.transport!r}")
+        if not self._address or self._address != pv.address or await self._fenced():
+            pushed = await self._join(pv)
+            if pushed > self.engine.version:
+                await self._receive(pushed)
+        if pv.version > self.engine.version:
+            await self._receive(pv.version)
+
+    async def _fenced(self) -> bool:
+        """Whether the trainer fenced this generator (then it re-joins to get a fresh pair and the latest push)."""
+        try:
+            data = await asyncio.wait_for(self.store.get(FENCED_KEY), self.cfg.timeout_s)
+        except Exception as exc:
+            log.warning("could not read the fencing record: %s", exc)
+            return False
+        return self.generator_id in parse_fenced(data)
+
+    async def _receive(self, version: int) -> None:
+        """Prefetch the push of ``version`` (generation continues), then load it inside ``engine.swap``."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        t0 = time.perf_counter()
+        llm = self.engine.llm
+        await self._rpc(llm.collective_rpc("weightsync_prefetch", args=(version,)), "prefetch")
+        # start is a no-op for the gloo engine and finish has nothing left to do after update_weights, so only
+        # update_weights (the load) sits inside the pause.
+        await self._begin_update(llm)
+        request = WeightTransferUpdateRequest(update_info={"version": version})
+
+        async def load(llm: Any) -> None:
+            await self._rpc(llm.update_weights(request), "update_weights", factor=3)
+
+        pause = await self.engine.swap(version, load, mode=self.cfg.pause_mode)
+        await self._rpc(llm.finish_weight_update(weight_version=str(version)), "finish_weight_update")
+        stats = (await self._rpc(self.engine.llm.collective_rpc("weightsync_stats"), "stats"))[0]
+        if int(stats["version"]) != version:
+            self.engine.version = int(stats["version"])
+            raise LoadFailed(f"expected version {version}, the trainer pushed {int(stats['version'])}")
+        self.pauses_ms.append(pause)
+        await self._ack(version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
+
+    async def _begin_update(self, llm: Any) -> None:
+        """``start_weight_update``; if an earlier update was left open (its RPC timed out here while the worker
+        went on), close it first."""
+        try:
+            await self._rpc(llm.start_weight_update(), "start_weight_update")
+        except Exception as exc:
+            if "already active" not in str(exc):
+                raise
+            await self._rpc(llm.finish_weight_update(), "finish_weight_update")
+            await self._rpc(llm.start_weight_update(), "start_weight_update")
+
+    def _file_loader(self, path: str):
+        async def load(llm: Any) -> None:
+            await self._rpc(llm.collective_rpc("reload_weights", kwargs={"weights_path": path}), "reload_weights",
+                            factor=3)
+
+        return load
+
+    async def _rpc(self, coro: Any, what: str, *, factor: float = 1.0) -> Any:
+        try:
+            return await asyncio.wait_for(coro, self.cfg.timeout_s * factor)
+        except asyncio.TimeoutError:
+            self.counters["rpc_timeouts"] += 1
+            raise TimeoutExpired(f"engine call {what} took longer than {self.cfg.timeout_s * factor:.1f} s") from None
+
+    async def _ack(self, version: int, *, ok: bool = True, pause_ms: float = 0.0, transfer_ms: float = 0.0,
+                   error: str = "") -> None:
+        ack = VersionAck(generator_id=self.generator_id, version=version, ok=ok, pause_ms=pause_ms,
+                         transfer_ms=transfer_ms, error=error[:500])
+        try:
+            await asyncio.wait_for(publish_msg(self.nc, self.names.ack_subject, ack), self.cfg.timeout_s)
+        except Exception as exc:
+            self.counters["ack_failures"] += 1
+            log.warning("could not ack version %d: %s", version, exc)
