@@ -48,8 +48,8 @@ from typing import Any
 from aiokafka.abc import ConsumerRebalanceListener
 from opentelemetry import trace
 
-from buffer.recovery import committed_since_ms, read_decided
 from buffer.policies import Reason
+from buffer.recovery import committed_since_ms, read_decided
 from buffer.state import BufferState, Decision
 from streamforge.config import RunConfig, load_config
 from streamforge.lifecycle import Service, run_service
@@ -78,13 +78,13 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked: Any) -> None:
         try:
             await self.role._on_revoked(set(revoked))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - aiokafka only logs listener errors: the loop re-raises it
             self.role._listener_error = exc
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         try:
             await self.role._on_assigned(set(assigned))
-        except Exception as exc:  # aiokafka only logs listener errors: hand it to the loop, which ends the role
+        except Exception as exc:  # noqa: BLE001 - aiokafka only logs listener errors: the loop re-raises it
             self.role._listener_error = exc
 
 
@@ -142,12 +142,12 @@ class BufferRole(Service):
             if client is not None:
                 try:
                     await client.stop()
-                except Exception as exc:  # closing; report, do not mask the reason we stop
+                except Exception as exc:  # noqa: BLE001 - closing; report, do not mask why we stop
                     log.warning("buffer %s: closing %s: %s", self.buffer_id, type(client).__name__, exc)
         if self._nc is not None:
             try:
                 await self._nc.close()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - closing
                 log.warning("buffer %s: closing NATS: %s", self.buffer_id, exc)
         self._report(force=True)
 

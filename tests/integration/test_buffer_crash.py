@@ -6,7 +6,6 @@ Each buffer is a real subprocess (``python -m buffer.service CONFIG``, i.e. ``ru
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hashlib
 import re
@@ -49,7 +48,7 @@ class BufferProcess:
         path = tmp / f"{name}.yaml"
         path.write_text(dump_config(cfg))
         self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the child's lifetime
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "buffer.service", str(path), f"--buffer.buffer_id={name}"],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -141,9 +140,9 @@ async def write_dedup_ledger(cfg) -> list[str]:
             seen.append(rec.value.batch_id)
     path = cfg.run_dir / "trainer" / "ledger.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as fh:
-        for step, batch_id in enumerate(seen, 1):
-            fh.write(orjson.dumps({"step": step, "policy_version": step, "batch_ids": [batch_id], "time": 0.0}) + b"\n")
+    path.write_bytes(b"".join(
+        orjson.dumps({"step": step, "policy_version": step, "batch_ids": [batch_id], "time": 0.0}) + b"\n"
+        for step, batch_id in enumerate(seen, 1)))
     return seen
 
 

@@ -13,7 +13,7 @@ from buffer.audit import run_audit
 from buffer.service import BufferRole
 from buffer.synthetic import make_group
 from topics.admin import read_topic
-from topics.kafka import Producer
+from topics.kafka import Consumer, Producer, TopicPartition
 from topics.nats import PolicyStore, connect
 from topics.schemas import Batch, DropRecord, PolicyVersion
 
@@ -124,3 +124,35 @@ async def test_backpressure_caps_held_episodes(run_config):
         stop.set()
         await asyncio.wait_for(task, 30)
     assert peak <= cap
+
+
+async def test_graceful_stop_publishes_partial_batch_and_commits(run_config):
+    cfg = with_buffer(run_config, groups_per_batch=4, max_batch_wait_s=60.0)
+    episodes = make_group("a", 4) + make_group("b", 4) + make_group("c", 4)[:2]  # c stays incomplete
+    await produce(cfg, episodes)
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    try:
+        await wait_for(lambda: role.state.counters["received"] == len(episodes), 30, "all received", role, task)
+        assert role.state.counters["batches"] == 0  # two groups wait for two more
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    (batch,) = [r.value for r in await read_topic(cfg.kafka, cfg.names.batches, expect=Batch)]
+    assert batch.group_ids == ["a"] * 4 + ["b"] * 4
+    # committed: everything before c's first episode; c is replayed by the next buffer
+    probe = Consumer(cfg.kafka, [], group_id=cfg.names.buffers_group)
+    await probe.start()
+    try:
+        committed = {}
+        for p in range(cfg.topics.episodes_partitions):
+            committed[p] = await probe.committed(TopicPartition(cfg.names.episodes, p))
+    finally:
+        await probe.stop()
+    records = await read_topic(cfg.kafka, cfg.names.episodes)
+    c_part = next(r.partition for r in records if r.key == "c")
+    first_c = min(r.offset for r in records if r.key == "c")
+    assert committed[c_part] == first_c
+    for p in {r.partition for r in records if r.key in ("a", "b")} - {c_part}:
+        assert committed[p] == max(r.offset for r in records if r.partition == p) + 1

@@ -8,8 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buffer.policies import (
-    Reason, ScoredGroup, batch_cost, batch_id_of, build_batch, group_advantages, is_overlong, is_stale,
-    is_zero_variance, plan_batches, score_group, shape_rewards,
+    Reason,
+    ScoredGroup,
+    batch_cost,
+    batch_id_of,
+    build_batch,
+    group_advantages,
+    is_overlong,
+    is_stale,
+    is_zero_variance,
+    plan_batches,
+    score_group,
+    shape_rewards,
 )
 from topics import codec
 from topics.schemas import Batch, Episode

@@ -20,7 +20,7 @@ def ep(gid: str, i: int, *, reward: float | None = None, size: int = 2, version:
 
 
 def cfg(**kw) -> BufferConfig:
-    base = dict(groups_per_batch=2, group_timeout_s=10.0, max_batch_wait_s=100.0)
+    base = {"groups_per_batch": 2, "group_timeout_s": 10.0, "max_batch_wait_s": 100.0}
     base.update(kw)
     return BufferConfig(**base)
 
