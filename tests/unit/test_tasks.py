@@ -68,3 +68,55 @@ def test_score(response, answer, expected):
 def test_first_answer_cuts_at_the_first_stop_character():
     assert first_answer("  ab cd\nef") == "ab"
     assert first_answer("x.y") == "x"
+
+
+# -- local prompt sources (producers/sources.py) -----------------------------------------------------------
+
+def test_toy_source_is_deterministic_with_stable_ids():
+    from producers.sources import open_source
+
+    a = list(open_source("toy:addmod10", seed=4, num_prompts=5))
+    b = list(open_source("toy:addmod10", seed=4, num_prompts=5))
+    assert [p.prompt_id for p in a] == [f"addmod10-4-{i}" for i in range(5)]
+    assert [(p.text, p.answer) for p in a] == [(p.text, p.answer) for p in b]
+    assert all(TASKS["addmod10"].score(p.answer, p.answer) == 1.0 for p in a)
+
+
+def test_jsonl_source_cycles_with_new_ids(tmp_path):
+    from producers.sources import open_source
+
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2", "id": "x"}\n\n{"question": "2+2=", "answer": 4, '
+                    '"task": "add", "metadata": {"level": 1}}\n')
+    prompts = list(open_source(f"jsonl:{path}", num_prompts=5))
+    assert [p.prompt_id for p in prompts] == ["x", "math-1", "x@e1", "math-1@e1", "x@e2"]
+    assert prompts[1].text == "2+2=" and prompts[1].answer == "4" and prompts[1].task == "add"
+    assert prompts[3].metadata == {"level": 1}
+
+
+def test_bad_sources_are_config_errors(tmp_path):
+    from producers.sources import open_source
+    from topics.errors import ConfigError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"answer": "no prompt"}\n')
+    with pytest.raises(ConfigError, match="prompt"):
+        list(open_source(f"jsonl:{bad}"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_source(f"jsonl:{tmp_path / 'missing.jsonl'}")
+    with pytest.raises(ConfigError, match="reasoning-gym"):
+        open_source("reasoning_gym:no_such_dataset_xyz", num_prompts=2)
+
+
+def test_reasoning_gym_source_round_trips_the_codec():
+    from producers.rewards import reasoning_gym_reward
+    from producers.sources import open_source
+    from topics import codec
+    from topics.schemas import Prompt
+
+    prompts = list(open_source("reasoning_gym:spell_backward", seed=1, num_prompts=3))
+    assert len({p.prompt_id for p in prompts}) == 3
+    for p in prompts:
+        back = codec.decode(codec.encode(p), expect=Prompt)  # the entry survives the wire
+        assert back.metadata["dataset"] == "spell_backward" and back.text
+        assert reasoning_gym_reward(back, f"<answer>{back.answer}</answer>") == 1.0
