@@ -32,6 +32,10 @@ class BufferConfig:
     pad_token_id: int = 0
     pad_to_multiple: int = 1  # round the batch's padded length up to a multiple of this
     max_batch_wait_s: float = 5.0  # publish a partial batch once its oldest group waited this long
+    # >0: publish at most this many batches beyond what the trainer has trained (batches-topic high-water
+    # minus the step of the latest PolicyVersion); scored groups wait (and are re-checked for staleness),
+    # then consumption pauses at max_pending_episodes. 0 = publish as fast as groups complete.
+    max_batches_ahead: int = 0
     max_pending_episodes: int = 4096  # stop consuming beyond this many episodes held in memory
     dedup_window: int = 200_000  # decided episode ids remembered for deduplication
     poll_max_records: int = 1000  # records per fetch
@@ -48,6 +52,8 @@ class BufferConfig:
             raise ConfigError("buffer.advantage", "must be 'grpo', 'dr_grpo' or 'rloo'")
         if self.groups_per_batch < 1:
             raise ConfigError("buffer.groups_per_batch", "must be at least 1")
+        if self.max_batches_ahead < 0:
+            raise ConfigError("buffer.max_batches_ahead", "must be >= 0")
         if self.max_pending_episodes < 1:
             raise ConfigError("buffer.max_pending_episodes", "must be at least 1")
         if self.group_timeout_s <= 0:

@@ -38,6 +38,32 @@ class Decided:
     records_read: int = 0
 
 
+async def highwater_of(consumer: Consumer, tp: TopicPartition, timeout_s: float = 10.0) -> int:
+    """The high-water mark of an assigned ``tp`` (learnt from a fetch: Tansu's ``end_offsets`` is wrong)."""
+    consumer.seek(tp, 0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await consumer.raw.getmany(tp, timeout_ms=200, max_records=1)
+        hw = consumer.highwater(tp)
+        if hw is not None:
+            return hw
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no high-water mark for {tp.topic}[{tp.partition}] after {timeout_s} s")
+
+
+async def highwaters(kafka_cfg: KafkaConfig, topic: str) -> dict[int, int]:
+    """The high-water mark of every partition of ``topic``."""
+    consumer = Consumer(kafka_cfg, [], group_id=None, client_id=f"{kafka_cfg.client_id}-buffer-recovery")
+    await consumer.start()
+    try:
+        tps = await partitions_of(consumer, topic)
+        consumer.raw.assign(tps)
+        return {tp.partition: await highwater_of(consumer, tp) for tp in tps}
+    finally:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+
+
 async def first_timestamp(consumer: Consumer, tp: TopicPartition, offset: int, timeout_s: float = 10.0) -> int | None:
     """Kafka timestamp (ms) of the record at ``offset`` of ``tp`` (None if there is none yet)."""
     consumer.seek(tp, offset)
@@ -56,9 +82,7 @@ async def first_timestamp(consumer: Consumer, tp: TopicPartition, offset: int, t
 async def _scan_back(consumer: Consumer, tp: TopicPartition, since_ms: int, *, first_window: int,
                      timeout_s: float) -> list[bytes]:
     """Values of the records of ``tp`` from the first one older than ``since_ms`` (or offset 0) to the end."""
-    consumer.seek(tp, 0)
-    await consumer.raw.getmany(tp, timeout_ms=300, max_records=1)  # learns the high-water mark
-    hw = consumer.highwater(tp)
+    hw = await highwater_of(consumer, tp)
     if not hw:
         return []
     window = first_window

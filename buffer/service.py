@@ -29,6 +29,10 @@ Delivery and crash safety:
 Throughput: decisions are handed to the producer without waiting for their acknowledgements (``_settle`` marks
 them decided as acks arrive, in order); offsets are committed at most every ``commit_interval_s``.
 
+Trainer behind (``max_batches_ahead > 0``): at most that many batches are published beyond the step of the
+latest PolicyVersion; complete groups wait scored in memory (re-checked for staleness as versions move) and the
+cap below then stops consumption, so a stalled trainer leaves its backlog in Kafka.
+
 Backpressure: the loop fetches at most ``max_pending_episodes - held`` records and pauses the consumer while
 ``held >= max_pending_episodes`` (the backlog stays in Kafka, not in RAM); held records drain as groups complete
 or time out.
@@ -49,7 +53,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from opentelemetry import trace
 
 from buffer.policies import Reason
-from buffer.recovery import committed_since_ms, read_decided
+from buffer.recovery import committed_since_ms, highwaters, read_decided
 from buffer.state import BufferState, Decision
 from streamforge.config import RunConfig, load_config
 from streamforge.lifecycle import Service, run_service
@@ -101,6 +105,8 @@ class BufferRole(Service):
         self.buffer_id = self.cfg.buffer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.state = BufferState(self.cfg, buffer_id=self.buffer_id)
         self.latest_version: int | None = None
+        self.trained_steps = 0  # step of the latest PolicyVersion: batches the trainer has trained
+        self._batch_hw: dict[int, int] = {}  # batches-topic high-water marks known from our acks
         self.counters: dict[str, int] = {"dead_lettered": 0, "pauses": 0, "commits": 0, "commit_failures": 0,
                                          "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0}
         self._lock = asyncio.Lock()  # one loop iteration, or one rebalance step, at a time
@@ -132,6 +138,9 @@ class BufferRole(Service):
         await self.store.start()
         pv, _ = await self.store.latest()
         self.latest_version = pv.version if pv is not None else None
+        self.trained_steps = pv.step if pv is not None else 0
+        if self.cfg.max_batches_ahead > 0:
+            self._batch_hw = await highwaters(kafka, self.names.batches)
         self.consumer = Consumer(kafka, [self.names.episodes], group_id=self.names.buffers_group, expect=Episode,
                                  client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self))
         await self.consumer.start()
@@ -206,6 +215,7 @@ class BufferRole(Service):
                 self.latest_version = pv.version
                 if record_metric is not None:
                     record_metric("buffer/latest_version", pv.version, "max")
+            self.trained_steps = max(self.trained_steps, pv.step)
         raise RuntimeError("the policy-version watch ended")
 
     # -- one iteration ------------------------------------------------------------------------
@@ -228,8 +238,17 @@ class BufferRole(Service):
             ctx = rec.headers if "traceparent" in rec.headers else None
             self.state.add(rec.value, partition=rec.partition, offset=rec.offset, now=now, context=ctx)
 
+    def batches_ahead(self) -> int:
+        """Batches published (acknowledged or in flight) beyond the trainer's latest published step."""
+        inflight = sum(1 for d, _ in self._inflight if d.kind == "batch")
+        return sum(self._batch_hw.values()) + inflight - self.trained_steps
+
     async def _decide(self, *, final: bool) -> None:
-        decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version, final=final)
+        room = None
+        if self.cfg.max_batches_ahead > 0:
+            room = max(0, self.cfg.max_batches_ahead - self.batches_ahead())
+        decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version,
+                                              final=final, max_batches=room)
         if decisions:
             await self._publish(decisions)
 
@@ -267,7 +286,9 @@ class BufferRole(Service):
             await asyncio.wait([f for _, f in self._inflight])
         while self._inflight and self._inflight[0][1].done():
             d, fut = self._inflight.pop(0)
-            fut.result()
+            meta = fut.result()
+            if d.kind == "batch":
+                self._batch_hw[meta.partition] = max(self._batch_hw.get(meta.partition, 0), meta.offset + 1)
             self.state.ack(d)
             if record_metric is not None:
                 key = "buffer/batches" if d.kind == "batch" else f"buffer/dropped/{d.reason}"

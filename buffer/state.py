@@ -24,12 +24,16 @@ Rules:
    partial batch is published once its oldest group waited ``max_batch_wait_s``, or on ``final`` (drain).
    A batch holds groups of one partition only, so replaying a partition re-forms the same batches whenever the
    same groups complete in the same order (see ``buffer/service.py`` for crash recovery).
-7. Offsets: every record's offset is held from ``add`` until its decision is acknowledged (skipped records are
+7. The trainer may be behind: ``take_decisions(max_batches=k)`` cuts at most ``k`` batches; the other scored
+   groups wait (held, so the cap of rule 9 eventually stops consumption) and are checked again whenever the
+   latest policy version moves: episodes that became stale meanwhile are dropped as ``stale``, and the rest of
+   their group re-scored (zero-variance remainder dropped, advantages recomputed).
+8. Offsets: every record's offset is held from ``add`` until its decision is acknowledged (skipped records are
    released at once). ``committable()`` gives, per partition, the lowest held offset, or one past the highest
    offset seen when nothing is held: the next offset a restarted consumer must read so nothing is lost.
-8. Bounded memory: ``held`` counts the records held; the service stops fetching above ``max_pending_episodes``.
+9. Bounded memory: ``held`` counts the records held; the service stops fetching above ``max_pending_episodes``.
    The decided-id memory is an LRU window of ``dedup_window`` ids.
-9. ``revoke(partitions)`` forgets everything held for those partitions (their new owner replays them).
+10. ``revoke(partitions)`` forgets everything held for those partitions (their new owner replays them).
 
 ``state_dict()`` holds what Kafka cannot replay: the decided ids and groups, the positions and the counters.
 Held episodes are not in it: they are beyond the committed offset and come back by replay.
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.config import BufferConfig
-from buffer.policies import Reason, ScoredGroup, build_batch, plan_batches, score_group
+from buffer.policies import Reason, ScoredGroup, build_batch, is_stale, plan_batches, score_group
 from topics.schemas import Batch, Episode
 
 BATCHED = "batched"
@@ -115,6 +119,7 @@ class BufferState:
         self._decided: OrderedDict[str, None] = OrderedDict()
         self._decided_groups: OrderedDict[str, str] = OrderedDict()  # group id -> "batched" or a drop reason
         self._held_ids: set[str] = set()
+        self._checked_version: int | None = None  # latest version the waiting groups were checked against
         self.counters: dict[str, int] = {"received": 0, "batches": 0, "batched_episodes": 0, "already_decided": 0}
 
     # -- queries ------------------------------------------------------------------------------
@@ -131,7 +136,7 @@ class BufferState:
         return episode_id in self._decided
 
     def committable(self) -> dict[int, int]:
-        """Per partition: the next offset a restarted consumer must read (rule 7)."""
+        """Per partition: the next offset a restarted consumer must read (rule 8)."""
         return {p: (min(t.held) if t.held else t.next_offset) for p, t in self.parts.items()}
 
     # -- input --------------------------------------------------------------------------------
@@ -197,27 +202,42 @@ class BufferState:
             self._remember_group(gid, outcome)
 
     # -- decisions ----------------------------------------------------------------------------
-    def take_decisions(self, *, now: float, latest_version: int | None, final: bool = False) -> list[Decision]:
-        """Expire, score and batch (rules 4-6); every returned decision is IN FLIGHT until ``ack``."""
+    def take_decisions(self, *, now: float, latest_version: int | None, final: bool = False,
+                       max_batches: int | None = None) -> list[Decision]:
+        """Expire, score and batch (rules 4-7); every returned decision is IN FLIGHT until ``ack``.
+
+        ``max_batches`` caps the batches cut now (the trainer is behind); groups then wait, scored, and are
+        checked for staleness again whenever the latest version moves.
+        """
         self._expire(now)
         for gid in self._complete_order:
             group = self.groups.pop(gid, None)
             if group is not None:
                 self._score(group, now, latest_version)
         self._complete_order.clear()
-        for partition, part in self.parts.items():
-            if not part.ready:
+        if latest_version != self._checked_version:
+            self._checked_version = latest_version
+            for part in self.parts.values():
+                self._recheck_stale(part, latest_version)
+        budget = max_batches
+        for partition, part in sorted(self.parts.items(), key=lambda kv: kv[1].ready_since):
+            if not part.ready or budget == 0:
                 continue
             flush = final or now - part.ready_since >= self.cfg.max_batch_wait_s
             batches, remainder = plan_batches(
                 part.ready, groups_per_batch=self.cfg.groups_per_batch, token_budget=self.cfg.token_budget,
                 budget_count=self.cfg.budget_count, final=flush,
             )
+            if budget is not None and len(batches) > budget:
+                remainder = [g for b in batches[budget:] for g in b] + remainder
+                batches = batches[:budget]
             for groups in batches:
                 self._outbox.append(self._batch(partition, part, groups))
             if batches:
                 part.ready = remainder
                 part.ready_since = now
+                if budget is not None:
+                    budget -= len(batches)
         out, self._outbox = self._outbox, []
         return out
 
@@ -239,7 +259,7 @@ class BufferState:
             self._remember(eid)
 
     def revoke(self, partitions: Iterable[int]) -> None:
-        """Forget everything held for these partitions (rule 9)."""
+        """Forget everything held for these partitions (rule 10)."""
         gone = set(partitions)
         for gid in [g.group_id for g in self.groups.values() if g.partition in gone]:
             for eid in self.groups.pop(gid).members:
@@ -314,6 +334,28 @@ class BufferState:
             part.ready_since = now
         part.ready.append(verdict.kept)
         part.ready_held[group.group_id] = [group.members[e] for e in verdict.kept.episode_ids]
+
+    def _recheck_stale(self, part: _Partition, latest_version: int | None) -> None:
+        """Groups waiting for a batch are re-scored when episodes in them became stale (rule 7)."""
+        c = self.cfg
+        keep: list[ScoredGroup] = []
+        for g in part.ready:
+            if not any(is_stale(e, latest_version, c.max_policy_lag) for e in g.episodes):
+                keep.append(g)
+                continue
+            members = {h.episode.episode_id: h for h in part.ready_held.pop(g.group_id)}
+            verdict = score_group(
+                g.group_id, g.episodes, latest_version=latest_version, max_policy_lag=c.max_policy_lag,
+                filter_zero_variance=c.filter_zero_variance, advantage=c.advantage, advantage_eps=c.advantage_eps,
+                reward_scale=c.reward_scale, reward_clip=c.reward_clip, partition=g.partition,
+            )
+            for reason, ids in verdict.dropped.items():
+                detail = f"latest version {latest_version} (while waiting for the trainer)"
+                self._outbox.append(self._drop([members[e] for e in ids], reason, g.group_id, detail))
+            if verdict.kept is not None:
+                keep.append(verdict.kept)
+                part.ready_held[g.group_id] = [members[e] for e in verdict.kept.episode_ids]
+        part.ready = keep
 
     def _batch(self, partition: int, part: _Partition, groups: list[ScoredGroup]) -> Decision:
         batch = build_batch(groups, pad_token_id=self.cfg.pad_token_id, pad_to_multiple=self.cfg.pad_to_multiple,

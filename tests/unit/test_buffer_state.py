@@ -177,3 +177,31 @@ def test_replayed_decided_episodes_count_towards_completion():
     feed(s, [ep("h", 0), ep("h", 1)], start=3)
     s.ack(d)
     assert s.take_decisions(now=100, latest_version=0) == [] and s.groups == {} and s.committable() == {0: 5}
+
+
+def test_trainer_behind_caps_batches_and_rechecks_staleness_of_waiting_groups():
+    s = BufferState(cfg(groups_per_batch=1, max_policy_lag=1))
+    feed(s, [ep("a", 0, version=0), ep("a", 1, version=0), ep("b", 0, version=1), ep("b", 1, version=1),
+             ep("c", 0, version=1), ep("c", 1, version=1)])
+    (d,) = s.take_decisions(now=0, latest_version=1, max_batches=1)
+    assert d.group_ids == ["a"]
+    assert s.take_decisions(now=50, latest_version=1, max_batches=0) == []  # b, c wait, held
+    assert s.held == 6 and s.committable() == {0: 0}
+    s.ack(d)
+    # the policy moved on while they waited: version 1 is now older than 3 - 1
+    ds = s.take_decisions(now=51, latest_version=3, max_batches=0)
+    assert sorted((x.reason, tuple(x.episode_ids)) for x in ds) == [
+        (Reason.STALE, ("b/0", "b/1")), (Reason.STALE, ("c/0", "c/1"))]
+    ack_all(s, ds)
+    assert s.held == 0 and s.committable() == {0: 6}
+
+
+def test_waiting_group_partly_stale_is_rescored():
+    s = BufferState(cfg(groups_per_batch=1, max_policy_lag=0, filter_zero_variance=False))
+    e = [ep("g", 0, size=3, version=2, reward=1.0), ep("g", 1, size=3, version=3, reward=0.0),
+         ep("g", 2, size=3, version=3, reward=1.0)]
+    feed(s, e)
+    assert s.take_decisions(now=0, latest_version=2, max_batches=0) == []
+    stale, batch = s.take_decisions(now=0, latest_version=3, max_batches=1)
+    assert stale.reason == Reason.STALE and stale.episode_ids == ["g/0"]
+    assert batch.episode_ids == ["g/1", "g/2"] and batch.batch.advantages.tolist()[0] < 0 < batch.batch.advantages[1]
