@@ -139,3 +139,25 @@ def test_two_ranks_fsdp_gloo_equal_single_process(tiny_dir: Path, tmp_path: Path
     for k in single:
         assert torch.equal(rank0[k], rank1[k]), k
         assert torch.allclose(rank0[k], single[k], atol=1e-5, rtol=1e-4), (k, (rank0[k] - single[k]).abs().max())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_qwen3_family_parity_and_export(tmp_path: Path, tied: bool):
+    from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from consumers.model import export_hf, load_policy
+
+    torch.manual_seed(1)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+                      rope_theta=1e6, tie_word_embeddings=tied, max_position_embeddings=128)
+    hf = Qwen3ForCausalLM(cfg).float()
+    hf.save_pretrained(tmp_path / "qwen3")
+    pol = load_policy(tmp_path / "qwen3", max_seq_len=64)
+    assert pol.family == "qwen3" and pol.config.enable_weight_tying == tied
+    ids = make_inputs().input_ids
+    with torch.no_grad():
+        ref = hf(ids).logits
+        assert (pol.model(ids) - ref).abs().max().item() < 1e-4
+        out = export_hf(pol, tmp_path / "export")
+        assert (AutoModelForCausalLM.from_pretrained(out)(ids).logits - ref).abs().max().item() < 1e-4
