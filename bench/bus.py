@@ -6,7 +6,7 @@ One run, one embedded broker (Tansu + nats-server, started here), two measuremen
           process consumes them with a plain aiokafka consumer (no decoding). Episodes/s = N / (time from the
           first send to the child's last record).
 * buffer: this process produces the same bytes to the run's ``episodes`` topic; a child process runs the buffer
-          (``python -m buffer.service``: decode, dedup, group, advantages, build and publish Batches, commit);
+          (``streamforge run buffer``: decode, dedup, group, advantages, build and publish Batches, commit);
           this process reads the ``batches`` topic. Episodes/s = N / (time from the first send until every
           episode is in a batch this process has read).
 
@@ -152,7 +152,7 @@ async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path,
     log_path = workdir / "buffer.log"
     with open(log_path, "wb") as log:  # noqa: ASYNC230 (once, before the clock starts)
         proc = subprocess.Popen(  # noqa: ASYNC220
-            [sys.executable, "-m", "buffer.service", str(cfg_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            [sys.executable, "-m", "streamforge", "run", "buffer", "--config", str(cfg_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         await wait_for_log(log_path, r"partitions assigned \[0, 1, 2, 3\]", proc, 90)
         reader = AIOKafkaConsumer(**client_kwargs(cfg.kafka, client_id="bench-batches"), group_id=None,

@@ -1,4 +1,4 @@
-"""``BufferRole``: the replay-buffer process (``streamforge run buffer``).
+"""``BufferRole``: the replay-buffer process (``streamforge run buffer --config C``).
 
 It consumes the ``episodes`` topic in the buffers' consumer group (several buffer processes split the partitions;
 episodes are keyed by group_id so a group is whole in one partition), runs the state machine of
@@ -45,7 +45,6 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -55,8 +54,8 @@ from opentelemetry import trace
 from buffer.policies import Reason
 from buffer.recovery import committed_since_ms, highwaters, read_decided
 from buffer.state import BufferState, Decision
-from streamforge.config import RunConfig, load_config
-from streamforge.lifecycle import Service, run_service
+from streamforge.config import RunConfig
+from streamforge.lifecycle import Service
 from topics.errors import BrokerError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
@@ -382,25 +381,3 @@ class BufferRole(Service):
             self._reports += 1
             flush_metrics(self._reports)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m buffer.service [CONFIG.yaml] [--section.key=value ...]``: run one buffer process."""
-    argv = sys.argv[1:] if argv is None else argv
-    path = argv[0] if argv and not argv[0].startswith("--") else None
-    config = load_config(path, [a for a in argv if a.startswith("--")])
-    logging.basicConfig(level=config.telemetry.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from streamforge.metrics import configure_metrics
-    from streamforge.telemetry import setup_tracing, shutdown_tracing
-
-    setup_tracing("buffer", config.run_dir, exporter=config.telemetry.traces,
-                  otlp_endpoint=config.telemetry.otlp_endpoint)
-    configure_metrics("buffer", config.run_dir, config.telemetry.metrics)
-    try:
-        return run_service(BufferRole(config))
-    finally:
-        shutdown_tracing()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

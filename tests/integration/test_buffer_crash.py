@@ -1,6 +1,6 @@
 """Buffer processes under failure: SIGKILL mid-stream and restart; two processes sharing the partitions.
 
-Each buffer is a real subprocess (``python -m buffer.service CONFIG``, i.e. ``run_service(BufferRole(cfg))``).
+Each buffer is a real subprocess: ``python -m streamforge run buffer --config C`` (``run_service(BufferRole(cfg))``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def buffer_config(run_config, **buffer_kw):
 
 
 class BufferProcess:
-    """One ``python -m buffer.service`` child with its log in a file."""
+    """One ``streamforge run buffer`` child with its log in a file."""
 
     def __init__(self, cfg, tmp: Path, name: str) -> None:
         self.name = name
@@ -50,7 +50,8 @@ class BufferProcess:
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - open for the child's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "buffer.service", str(path), f"--buffer.buffer_id={name}"],
+            [sys.executable, "-m", "streamforge", "run", "buffer", "--config", str(path),
+             f"--buffer.buffer_id={name}"],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
         )
 
