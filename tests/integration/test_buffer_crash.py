@@ -30,11 +30,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def buffer_config(run_config, **buffer_kw):
+def buffer_config(run_config, *, max_batch_wait_s: float = 0.5):
     cfg = dataclasses.replace(
         run_config,
-        buffer=dataclasses.replace(run_config.buffer, groups_per_batch=2, max_batch_wait_s=0.5,
-                                   group_timeout_s=60.0, **buffer_kw),
+        buffer=dataclasses.replace(run_config.buffer, groups_per_batch=2, max_batch_wait_s=max_batch_wait_s,
+                                   group_timeout_s=60.0),
         kafka=dataclasses.replace(run_config.kafka, session_timeout_ms=6000, heartbeat_interval_ms=1000),
     )
     return cfg
@@ -99,14 +99,18 @@ def traceparent(ep) -> bytes:
     return f"00-{trace_id}-{span_id}-01".encode()
 
 
-async def produce_interleaved(cfg, waves: int, groups_per_wave: int, pause_s: float) -> int:
+async def produce_interleaved(cfg, waves: int, groups_per_wave: int, pause_s: float,
+                              gate: asyncio.Event | None = None, gate_at: int = 0) -> int:
     """Each wave sends the first half of its groups and the second half of the previous wave's groups, so at
-    any moment some groups are open (holding the committed offset back) while later ones are batched."""
+    any moment some groups are open (holding the committed offset back) while later ones are batched.
+    With ``gate``, waves from ``gate_at`` on wait for it (so an event is sure to happen mid-stream)."""
     size = 4
     total = 0
     async with Producer(cfg.kafka) as producer:
         prev: list = []
         for w in range(waves + 1):
+            if gate is not None and w == gate_at:
+                await gate.wait()
             cur = [make_group(f"w{w}g{k}", size, rewards=[0, 1, k % 2, 1]) for k in range(groups_per_wave)] \
                 if w < waves else []
             records = [e for g in cur for e in g[:2]] + [e for g in prev for e in g[2:]]
@@ -153,14 +157,16 @@ async def test_sigkill_mid_stream_then_restart_loses_nothing_trains_nothing_twic
     b = None
     try:
         await a.wait_assigned(60)
-        producing = asyncio.create_task(produce_interleaved(cfg, waves=12, groups_per_wave=6, pause_s=0.4))
-        # kill once a few batches are out, while groups are still open
+        killed = asyncio.Event()
+        producing = asyncio.create_task(produce_interleaved(cfg, waves=10, groups_per_wave=6, pause_s=0.2,
+                                                            gate=killed, gate_at=5))
+        # kill once a few batches are out, while groups are still open (the second half of the stream waits)
         deadline = time.monotonic() + 60
         while len(await read_topic(cfg.kafka, cfg.names.batches)) < 4:
             assert time.monotonic() < deadline and a.proc.poll() is None, a.log()[-3000:]
             await asyncio.sleep(0.2)
         a.kill()
-        assert not producing.done(), "the stream ended before the kill: make it longer"
+        killed.set()
         b = BufferProcess(cfg, tmp_path, "buf-b")
         expected = await producing
         await wait_all_decided(cfg, expected, 90, [b])
@@ -186,7 +192,7 @@ async def test_sigkill_mid_stream_then_restart_loses_nothing_trains_nothing_twic
 
 
 async def test_two_buffer_processes_share_partitions_and_produce_every_batch_once(run_config, tmp_path):
-    cfg = buffer_config(run_config)
+    cfg = buffer_config(run_config, max_batch_wait_s=5.0)  # partial batches only at the end of the stream
     procs = [BufferProcess(cfg, tmp_path, "buf-1"), BufferProcess(cfg, tmp_path, "buf-2")]
     try:
         for p in procs:  # wait for the split: two partitions each
