@@ -15,14 +15,16 @@ Delivery and crash safety:
   assigned (start-up, restart after a crash, rebalance) the buffer first reads the recent ``batches`` and
   ``drops`` records back (``buffer/recovery.py``) and marks those episodes DECIDED; their replays are skipped.
   This is the primary guarantee, and it holds whatever the timing.
-* Second line: grouping is deterministic. A group's episodes are sorted by episode_id, a batch holds groups of
-  one partition in the order they completed there, and ``batch_id`` is a hash of the sorted episode ids. So if a
-  decision was published but not seen by the recovery scan (e.g. it landed after the scan), replaying the
-  partition re-forms the same batch with the same batch_id, and the trainer deduplicates it by batch_id.
-  This fails only when the composition depends on time: a partial batch cut by ``max_batch_wait_s``, a group
-  completed by its timeout (``incomplete_policy="complete"``) or a staleness verdict made against a different
-  latest version. Then an episode can appear in two batches with different ids; the audit reports it as
-  ``in_two_batches`` (and as ``trained_twice`` only if the trainer trained both).
+* Second line, for a decision the scan could not see (published after it, e.g. by a zombie owner whose session
+  had expired): grouping is deterministic. A group's episodes are sorted by episode_id, a batch holds groups of
+  one partition cut in the order they completed there, and ``batch_id`` is a hash of the sorted episode ids.
+  So a batch whose groups lie wholly after the committed offset, re-formed from the same completions, gets the
+  same batch_id and the trainer deduplicates it. That is not guaranteed in general: a decided group straddling
+  the committed offset comes back partial (dropped as ``incomplete`` after its timeout, or batched partially
+  with ``incomplete_policy="complete"``), batch boundaries can shift, and time-based cuts (``max_batch_wait_s``,
+  group timeouts, staleness against a newer version) differ between runs. Such an episode ends up in two
+  batches with different ids: the audit reports it as ``in_two_batches``, and as ``trained_twice`` only if the
+  trainer trained both. This is why the recovery scan, not the batch_id, is the guarantee.
 * On a rebalance the revoked partitions' in-flight publishes finish (the revoke callback waits for the loop's
   lock) before their state is dropped, so the new owner's recovery scan sees them.
 

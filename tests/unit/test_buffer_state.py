@@ -205,3 +205,18 @@ def test_waiting_group_partly_stale_is_rescored():
     stale, batch = s.take_decisions(now=0, latest_version=3, max_batches=1)
     assert stale.reason == Reason.STALE and stale.episode_ids == ["g/0"]
     assert batch.episode_ids == ["g/1", "g/2"] and batch.batch.advantages.tolist()[0] < 0 < batch.batch.advantages[1]
+
+
+def test_replay_without_recovery_reforms_the_same_batch_ids():
+    records = [ep(g, i) for g in "abcdef" for i in range(2)]
+    s = BufferState(cfg())
+    feed(s, records)
+    first = s.take_decisions(now=0, latest_version=0)
+    assert [d.group_ids for d in first] == [["a", "b"], ["c", "d"], ["e", "f"]]
+    s.ack(first[0])  # crash: c..f published (maybe) but not acknowledged; offsets 4.. not committed
+    committed = s.committable()[0]
+    assert committed == 4
+    t = BufferState(cfg())  # a successor that knows nothing
+    feed(t, records[committed:], start=committed)
+    again = t.take_decisions(now=0, latest_version=0)
+    assert [d.batch.batch_id for d in again] == [d.batch.batch_id for d in first[1:]]
