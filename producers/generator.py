@@ -48,7 +48,7 @@ from producers.tiny_model import ensure_model
 from streamforge.config import RunConfig
 from streamforge.lifecycle import Service
 from topics.errors import BrokerError, StreamforgeError
-from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
+from topics.kafka import Consumer, DeadLetters, Producer, Received
 from topics.nats import PolicyStore, connect
 from topics.schemas import Episode, Prompt
 
@@ -94,7 +94,7 @@ class _Rebalance(ConsumerRebalanceListener):
         self.role.offsets.forget(revoked)
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
-        log.info("generator %s assigned %s", self.role.generator_id, sorted((tp.partition for tp in assigned)))
+        log.info("generator %s assigned %s", self.role.generator_id, sorted(tp.partition for tp in assigned))
 
 
 class GeneratorRole(Service):
@@ -129,6 +129,7 @@ class GeneratorRole(Service):
         self._intake_closed = False
         self._commit_lock = asyncio.Lock()
         self.stats = {"prompts": 0, "episodes": 0, "dead_lettered": 0, "tokens": 0, "commits": 0}
+        self.first_taken_at: float | None = None  # perf_counter() of the first prompt taken (benchmarks)
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -241,7 +242,7 @@ class GeneratorRole(Service):
                 # The receiver changes engine.version without telling us: re-check at the poll interval.
                 try:
                     await asyncio.wait_for(self._wake.wait(), self.cfg.poll_timeout_ms / 1000)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             else:
                 await self._wake.wait()
@@ -299,6 +300,8 @@ class GeneratorRole(Service):
         self._spawn(rec.value, rec, rec.context)
 
     def _spawn(self, prompt: Prompt, rec: Received | None, ctx: Any) -> None:
+        if self.first_taken_at is None:
+            self.first_taken_at = time.perf_counter()
         self.backpressure.took()
         task = asyncio.create_task(self._process(prompt, rec, ctx), name=f"prompt {prompt.prompt_id}")
         self._tasks.add(task)
