@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -69,6 +70,8 @@ async def _start_with_retries(client: Any, cfg: KafkaConfig, what: str) -> None:
             return
         except KafkaConnectionError as exc:
             if attempt == cfg.connect_retries:
+                with contextlib.suppress(Exception):
+                    await client.stop()
                 raise BrokerUnavailable("kafka", cfg.bootstrap, f"{what}: {exc}") from exc
             log.warning("kafka %s: %s unreachable (attempt %d/%d), retrying in %.1f s",
                         what, cfg.bootstrap, attempt, cfg.connect_retries, delay)

@@ -67,7 +67,9 @@ async def connect(cfg: NatsConfig, *, name: str) -> NATS:
     delay = 0.25
     for attempt in range(1, cfg.connect_retries + 1):
         try:
-            nc = await nats.connect(**kw, error_cb=on_error, allow_reconnect=True)
+            # bounded: nats-py can retry a failing TLS handshake forever inside one connect()
+            nc = await asyncio.wait_for(nats.connect(**kw, error_cb=on_error, allow_reconnect=True),
+                                        timeout=3 * cfg.connect_timeout_s + 1)
             nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever: roles degrade, not die
             return nc
         except Exception as exc:  # nats-py raises NoServersError, OSError, TimeoutError...
