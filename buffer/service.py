@@ -1,4 +1,4 @@
-"""``BufferRole``: the replay-buffer process (``streamforge run buffer --config C``).
+"""``BufferRole``: the replay-buffer process (``streamforge run buffer``).
 
 It consumes the ``episodes`` topic in the buffers' consumer group (several buffer processes split the partitions;
 episodes are keyed by group_id so a group is whole in one partition), runs the state machine of
