@@ -178,8 +178,9 @@ class BufferRole(Service):
     async def _consume_loop(self) -> None:
         """Consumes ``episodes`` (buffers' group); publishes batches and drops; commits finished offsets.
 
-        Waits on the consumer's fetch for at most ``poll_s`` (so group and batch timers fire without records), and
-        while paused (backpressure) only the timers run. Each iteration holds the lock so a rebalance callback
+        Waits on the consumer's fetch for at most ``poll_ms`` (so group and batch timers fire without records);
+        while ``held >= max_pending_episodes`` it does not fetch and only waits for those timers (a group timeout
+        or a partial-batch deadline is what frees room then). Each iteration holds the lock so a rebalance callback
         never interleaves with a half-published decision. Runs until cancelled; any error ends the role.
         """
         assert self.consumer is not None
