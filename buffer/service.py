@@ -180,7 +180,7 @@ class BufferRole(Service):
 
         Waits on the consumer's fetch for at most ``poll_ms`` (so group and batch timers fire without records);
         while ``held >= max_pending_episodes`` it does not fetch and only waits for those timers (a group timeout
-        or a partial-batch deadline is what frees room then). Each iteration holds the lock so a rebalance callback
+        acknowledgements, group timeouts, partial-batch deadlines or the trainer's progress free room). Each iteration holds the lock so a rebalance callback
         never interleaves with a half-published decision. Runs until cancelled; any error ends the role.
         """
         assert self.consumer is not None
