@@ -179,8 +179,9 @@ class BufferRole(Service):
         """Consumes ``episodes`` (buffers' group); publishes batches and drops; commits finished offsets.
 
         Waits on the consumer's fetch for at most ``poll_ms`` (so group and batch timers fire without records);
-        while ``held >= max_pending_episodes`` it does not fetch and only waits for those timers (a group timeout
-        acknowledgements, group timeouts, partial-batch deadlines or the trainer's progress free room). Each iteration holds the lock so a rebalance callback
+        while ``held >= max_pending_episodes`` it does not fetch and only waits for those timers (acknowledgements,
+        group timeouts, partial-batch deadlines or the trainer's progress free room). Each iteration holds the
+        lock so a rebalance callback
         never interleaves with a half-published decision. Runs until cancelled; any error ends the role.
         """
         assert self.consumer is not None
