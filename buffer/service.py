@@ -181,8 +181,8 @@ class BufferRole(Service):
         Waits on the consumer's fetch for at most ``poll_ms`` (so group and batch timers fire without records);
         while ``held >= max_pending_episodes`` it does not fetch and only waits for those timers (acknowledgements,
         group timeouts, partial-batch deadlines or the trainer's progress free room). Each iteration holds the
-        lock so a rebalance callback
-        never interleaves with a half-published decision. Runs until cancelled; any error ends the role.
+        lock so a rebalance callback never interleaves with a half-published decision. Runs until cancelled; any
+        error ends the role.
         """
         assert self.consumer is not None
         poll_ms = int(1000 * min(0.5, self.cfg.max_batch_wait_s / 2, self.cfg.group_timeout_s / 4))
