@@ -273,8 +273,20 @@ class GeneratorRole(Service):
             records = await self.consumer.getmany(timeout_ms=self.cfg.poll_timeout_ms, max_records=n)
             if self._failure is not None:
                 raise self._failure
-            for rec in records:
+            # Backpressure may have closed while the fetch waited: give back what may not be taken now.
+            allowed = self._may_take()
+            for rec in records[:allowed]:
                 await self._take(rec)
+            self._give_back(records[allowed:])
+
+    def _give_back(self, records: list[Received]) -> None:
+        """Seek each partition back to its first record not taken, so the next fetch returns it again."""
+        assert self.consumer is not None
+        first: dict[Any, int] = {}
+        for rec in records:
+            first[rec.tp] = min(first.get(rec.tp, rec.offset), rec.offset)
+        for tp, offset in first.items():
+            self.consumer.seek(tp, offset)
 
     async def _intake_local(self) -> None:
         """The local source (``feeder.source``): prompts are generated in-process, nothing is committed."""

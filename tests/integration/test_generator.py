@@ -22,7 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from producers.engine import Engine
 from producers.feeder import GroupOffsets
@@ -210,6 +209,20 @@ async def test_episodes_groups_tokens_logprobs_rewards(run_config, engine, model
     assert err.mean() < 1e-4
 
 
+async def test_local_source_mode(run_config, engine, model_dir):
+    """``prompt_source=local``: the feeder's source runs in-process; episodes still go to the topic."""
+    cfg = configure(run_config, model_dir, prompt_source="local", group_size=2, max_tokens=4, rewards=["toy"])
+    cfg = dataclasses.replace(cfg, feeder=dataclasses.replace(cfg.feeder, source="toy:reverse", num_prompts=3))
+    role = GeneratorRole(cfg, engine=engine)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    async with Tail(cfg, cfg.names.episodes, Episode) as tail:
+        records = await tail.until(lambda rs: len(rs) >= 6, 60, "6 episodes", task)
+    await stop_role(stop, task)
+    assert sorted({r.value.group_id for r in records}) == [f"reverse-0-{i}" for i in range(3)]
+    assert role.consumer is None and role.stats["commits"] == 0
+
+
 async def test_reward_failures_go_to_dead_letter(run_config, engine, model_dir):
     cfg = configure(run_config, model_dir, group_size=2, max_tokens=4, generator_id="g2", reward_timeout_s=0.3,
                     rewards=["toy", "tests.integration.test_generator:scripted_reward"])
@@ -301,3 +314,78 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
     assert unfinished and unfinished <= by_gen["survivor"]
     print(f"victim produced {len(by_gen['victim'])} groups before SIGKILL; survivor {len(by_gen['survivor'])}; "
           f"{len(records) - len(want)} duplicate episodes (at-least-once)")
+
+
+async def test_swap_mid_sequence_shows_in_the_token_versions(engine, model_dir):
+    """``Engine.swap`` (pause keep -> load -> version -> resume): later tokens of running requests carry it."""
+    from producers.engine import Sampling
+
+    async def reload(llm) -> None:  # the same weights again: the point is the pause and the stamping
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(model_dir)})
+
+    tokens_before = engine.tokens_out
+    gen = asyncio.create_task(engine.generate(engine.tokenizer("reverse abc:")["input_ids"], 8,
+                                              Sampling(max_tokens=100)))
+    while engine.tokens_out == tokens_before:  # tokens are flowing
+        await asyncio.sleep(0.005)
+    try:
+        pause_ms = await engine.swap(1, reload, mode="keep")
+        completions = await asyncio.wait_for(gen, 60)
+    finally:
+        engine.version = 0  # identical weights: later tests see version 0
+    print(f"swap pause {pause_ms:.1f} ms")
+    assert pause_ms > 0
+    for c in completions:
+        assert c.versions == sorted(c.versions) and set(c.versions) <= {0, 1}
+    assert any(c.versions[0] == 0 and c.versions[-1] == 1 for c in completions), [c.versions for c in completions]
+
+
+async def test_follows_published_versions_and_holds_when_behind(run_config, engine, model_dir):
+    """The weight receiver loads file versions into the engine; Episodes carry them; with max_policy_lag 0 a
+    version the generator could not load stops the intake until a loadable one arrives."""
+    from topics.nats import PolicyStore, connect
+    from topics.schemas import PolicyVersion
+
+    cfg = configure(run_config, model_dir, group_size=2, max_tokens=4, rewards=["toy"], generator_id="g3",
+                    max_policy_lag=0)
+    cfg = dataclasses.replace(cfg, weightsync=dataclasses.replace(cfg.weightsync, transport="file", timeout_s=5.0))
+    nc = await connect(cfg.nats, name="test-trainer")
+    store = PolicyStore(nc, cfg.names)
+    await store.start()
+    role = GeneratorRole(cfg, engine=engine)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    prompts = [p for _, p in zip(range(4), toy_prompts("addmod10", seed=21))]
+    try:
+        async with Tail(cfg, cfg.names.episodes, Episode) as tail:
+            rev = await store.publish(PolicyVersion(version=1, step=1, transport="file", path=str(model_dir)),
+                                      expected_revision=0)
+            deadline = time.monotonic() + 60
+            while engine.version != 1:
+                assert time.monotonic() < deadline and not task.done(), "version 1 was not loaded"
+                await asyncio.sleep(0.05)
+            await feed(cfg, prompts[:2])
+            first = await tail.until(lambda rs: len(rs) >= 4, 60, "episodes at version 1", task)
+            assert all((r.value.token_versions == 1).all() and r.value.policy_version == 1 for r in first)
+
+            # version 2 cannot be loaded: it names a gloo rendezvous, and no trainer answers the join
+            rev = await store.publish(PolicyVersion(version=2, step=2, transport="gloo", address="127.0.0.1:9"),
+                                      expected_revision=rev)
+            deadline = time.monotonic() + 30
+            while role.backpressure.latest != 2:
+                assert time.monotonic() < deadline, "version 2 was not seen"
+                await asyncio.sleep(0.05)
+            await feed(cfg, prompts[2:])
+            await asyncio.sleep(3.0)
+            await tail.until(lambda rs: True, 1, "")
+            assert len(tail.records) == 4, "the generator took prompts while its weights were behind"
+            assert engine.version == 1 and "lag" in role.backpressure.reason(engine.version)
+
+            await store.publish(PolicyVersion(version=3, step=3, transport="file", path=str(model_dir)),
+                                expected_revision=rev)
+            later = await tail.until(lambda rs: len(rs) >= 8, 60, "episodes after version 3", task)
+            assert all((r.value.token_versions == 3).all() for r in later[4:])
+        await stop_role(stop, task)
+    finally:
+        engine.version = 0
+        await nc.close()
