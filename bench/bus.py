@@ -13,8 +13,10 @@ One run, one embedded broker (Tansu + nats-server, started here), two measuremen
 Children are started and ready (partitions assigned) before the clock starts. Last line:
 ``{"bench": "bus", "episodes_per_s_vs_raw": X}`` (goal: >= 0.8).
 
-Runs alternate (raw, buffer, raw, buffer...) on fresh topics and the best of each is compared, which damps the
-noise of a shared machine.
+Runs alternate (raw, buffer, raw, buffer...) on fresh topics; the reported ratio is the median over the
+(raw, buffer) pairs, each pair measured back to back, which damps the load drift of a shared machine. The detail
+line also gives the CPU seconds of this process, the broker and the child per run, and
+``cpu_efficiency_vs_raw`` (median of raw CPU / buffer CPU): the ratio a machine with idle cores would approach.
 
 Usage: ``python bench/bus.py [--episodes N] [--group-size G] [--prompt-len P] [--response-len R] [--repeats K]``.
 """
@@ -26,6 +28,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -210,11 +213,15 @@ async def run(args: argparse.Namespace) -> dict:
                 await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
             raws.append(await measure_raw(raw_cfg, payloads, meter))
             bufs.append(await measure_buffer(buf_cfg, payloads, workdir, meter))
-        raw, buf = max(r[0] for r in raws), max(b[0] for b in bufs)
+        pair_ratios = [b[0] / r[0] for r, b in zip(raws, bufs)]
+        cpu_ratios = [sum(r[1].values()) / max(1e-9, sum(b[2].values())) for r, b in zip(raws, bufs)]
         return {"episodes": len(payloads), "episode_bytes": sum(len(v) for _, v in payloads) // len(payloads),
                 "raw_episodes_per_s": [round(r[0], 1) for r in raws],
                 "buffer_episodes_per_s": [round(b[0], 1) for b in bufs], "batches": bufs[0][1],
-                "cpu_s_raw": [r[1] for r in raws], "cpu_s_buffer": [b[2] for b in bufs], "ratio": buf / raw}
+                "pair_ratios": [round(x, 3) for x in pair_ratios],
+                "cpu_s_raw": [r[1] for r in raws], "cpu_s_buffer": [b[2] for b in bufs],
+                "cpu_efficiency_vs_raw": round(statistics.median(cpu_ratios), 3),
+                "ratio": statistics.median(pair_ratios)}
     finally:
         brokers.stop()
 
@@ -229,7 +236,7 @@ def main() -> None:
     parser.add_argument("--groups-per-batch", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=192)
-    parser.add_argument("--repeats", type=int, default=2, help="alternating raw/buffer runs; the best of each counts")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating raw/buffer pairs; the median ratio counts")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="extra config override for both paths (repeatable), e.g. buffer.output_compression=none")
     parser.add_argument("--compression", default="", help="kafka.compression for both paths (default: config's)")
