@@ -25,7 +25,7 @@ from topics.admin import read_topic
 from topics.kafka import Producer
 from topics.schemas import Batch
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 
