@@ -3,8 +3,8 @@
 * ``state.pt`` (``torch.save``; local files only, never on the wire; read back with ``weights_only=True``): the
   full (unsharded) model and optimizer state dicts in torchtitan names and the torch RNG state (the LR schedule
   is a function of the step and is recomputed).
-  Under FSDP every rank takes part in gathering the full state and rank 0 writes; on load rank 0 reads and the
-  state is broadcast (``set_state_dict(..., broadcast_from_rank0=True)``).
+  Under FSDP every rank takes part in gathering the full state and rank 0 writes; on load every rank reads the
+  file (the run dir is shared by the job's ranks) and keeps its own shards.
 * ``meta.json``: ``step``, ``policy_version``, ``offsets`` (``{"topic:partition": next_offset}``: the batches
   consumed by this step are exactly those before these offsets), ``recent_batch_ids`` (for deduplication after a
   restart), ``time``, ``world_size``.
@@ -63,10 +63,10 @@ def read_meta(path: str | Path) -> CheckpointMeta:
     return CheckpointMeta(**{k: data[k] for k in CheckpointMeta.__slots__ if k in data})
 
 
-def _options(full: bool, *, broadcast: bool = False):
+def _options(full: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=full, cpu_offload=full, broadcast_from_rank0=broadcast)
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 
 def save_checkpoint(run_dir: str | Path, policy: Policy, opt: torch.optim.Optimizer, sched: Any,
@@ -118,15 +118,13 @@ def load_checkpoint(path: str | Path, policy: Policy, opt: torch.optim.Optimizer
 
     path = Path(path)
     meta = read_meta(path)
-    if d.is_main or not d.enabled:
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-    else:
-        state = {"model": {}, "optim": {}, "rng": None}
+    # every rank reads the full state (the run dir is shared by the job's ranks) and keeps its own shards;
+    # broadcast_from_rank0 would need non-empty placeholder state on the other ranks (torch skips empty ones)
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
     set_state_dict(policy.model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options(d.enabled, broadcast=d.enabled))
+                   options=_options(d.enabled))
     restore_schedule(opt, sched, meta.step)
-    if state["rng"] is not None:
-        torch.set_rng_state(state["rng"])
+    torch.set_rng_state(state["rng"])
     return meta
 
 

@@ -33,6 +33,7 @@ from consumers.ledger import JsonlAppender, Ledger, truncate_metrics_after
 from consumers.parallel import Dist, close_distributed, init_distributed
 from consumers.sft import collate_sft
 from streamforge.lifecycle import Service
+from topics.errors import ConfigError
 from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample
 
@@ -95,6 +96,10 @@ class TrainerRole(Service):
     async def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.d = init_distributed()
+        if self.cfg.world_size != self.d.world_size:
+            raise ConfigError("trainer.world_size", f"is {self.cfg.world_size} but this process is one of "
+                              f"{self.d.world_size} ranks: launch N ranks with `torchrun --nproc-per-node N -m "
+                              f"streamforge run trainer --trainer.world_size=N ...`")
         self.cmd = Commander(self.d)
         model_dir = await asyncio.to_thread(model_dir_for, self.config)
         self.engine = await asyncio.to_thread(
@@ -150,9 +155,9 @@ class TrainerRole(Service):
             except Exception as exc:  # stopping must not hide the original failure
                 log.warning("trainer stop: %s", exc)
         if self.d.enabled:
-            if self._quit_sent or not self.d.is_main:
+            if self._quit_sent:  # a clean end on every rank: barrier, then leave together
                 close_distributed(self.d)
-            else:
+            else:  # a crash: never wait on peers (torchrun stops the other ranks when this one exits non-zero)
                 import torch.distributed as dist
 
                 dist.destroy_process_group()
