@@ -1,0 +1,66 @@
+"""Batch layout seen by the trainer: behaviour logprobs line up with ``token_logprobs``; SFT masks completions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.engine import staleness
+from topics import codec
+from topics.schemas import Batch, SFTExample
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    from producers.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=2)
+
+
+def test_sampled_logprobs_align_with_trainer_logprobs(tiny_dir: Path):
+    """The sampler's per-token logprobs (what a generator sends) equal the trainer's recomputation at the masked
+    positions: the Batch alignment convention of topics/schemas.py holds end to end."""
+    from consumers.model import load_policy, token_logprobs
+    from consumers.step import batch_inputs
+    from consumers.toybatches import ToyBatchMaker
+    from producers.tiny_model import load_tokenizer
+
+    pol = load_policy(tiny_dir, max_seq_len=32)
+    maker = ToyBatchMaker("reverse", load_tokenizer(tiny_dir), prompts=3, group_size=4, max_tokens=4, seed=5)
+    batch = codec.decode(codec.encode(maker.make(pol.model, version=7)), expect=Batch)  # through the wire codec
+    inputs = batch_inputs(batch)
+    with torch.no_grad():
+        lp, _ = token_logprobs(pol.model, inputs.input_ids)
+    m = inputs.mask.bool()
+    assert m.sum() > 0 and not m[:, 0].any()
+    assert torch.allclose(lp[m], inputs.old_logprobs[m], atol=1e-4)
+    assert (inputs.old_logprobs[~m] == 0).all()
+    # GRPO advantages are zero-mean within each group; versions are stamped on response tokens only
+    for g in set(batch.group_ids):
+        idx = [i for i, x in enumerate(batch.group_ids) if x == g]
+        assert abs(float(batch.advantages[idx].sum())) < 1e-4
+    assert set(np.unique(batch.token_versions[batch.loss_mask == 1])) == {7}
+    assert staleness(batch, 9) == 2.0
+
+
+def test_sft_collate_masks_completion_and_eos(tiny_dir: Path):
+    from consumers.sft import collate_sft
+    from producers.tiny_model import EOS_ID, load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    batch = collate_sft(tok, [SFTExample(example_id="a", prompt="2+3=", completion="5"),
+                              SFTExample(example_id="b", prompt="reverse abc:", completion="cba")], max_seq_len=64)
+    batch.validate()
+    row = batch.input_ids[1]
+    n = int(batch.seq_lens[1])
+    assert tok.decode(row[batch.loss_mask[1] == 1][:-1]) == "cba" and row[n - 1] == EOS_ID
+    assert batch.loss_mask[0].sum() == 2 and batch.loss_mask[1].sum() == 4  # completion + <eos>
+    assert (batch.input_ids[0, int(batch.seq_lens[0]):] == tok.pad_token_id).all()
+    same = collate_sft(tok, [SFTExample(example_id="b", prompt="x", completion="y"),
+                             SFTExample(example_id="a", prompt="x", completion="y")], max_seq_len=64)
+    assert same.batch_id == batch.batch_id  # the id depends on the example ids only, not their order
+    short = collate_sft(tok, [SFTExample(example_id="c", prompt="reverse abc:", completion="cba")], max_seq_len=8)
+    assert short.input_ids.shape[1] == 8 and short.loss_mask.sum() == 0  # truncated inside the prompt
