@@ -140,7 +140,8 @@ class GeneratorRole(Service):
             raise
 
     async def _open(self) -> None:
-        self.rewards = RewardSet(self.cfg.rewards, self.cfg.reward_weights, timeout_s=self.cfg.reward_timeout_s)
+        self.rewards = RewardSet(self.cfg.rewards, self.cfg.reward_weights, timeout_s=self.cfg.reward_timeout_s,
+                                 max_workers=min(32, 2 * self.cfg.group_size))
         if self.engine is None:
             model = ensure_model(self.config.model.path, self.config.run_dir, seed=self.config.run.seed)
             self.engine = Engine(
@@ -346,18 +347,12 @@ class GeneratorRole(Service):
             episodes = build_episodes(prompt, tokens, completions, generator_id=self.generator_id,
                                       engine_version=self.engine.version,
                                       queued_s=max(0.0, t_taken - prompt.created_at))
+            # score the whole group concurrently (rewards run in threads), then produce in index order
+            scored = await asyncio.gather(*(self._score(prompt, ep) for ep in episodes))
             acks = []
-            for ep in episodes:
-                with _tracer.start_as_current_span("generator.reward", attributes={"episode_id": ep.episode_id}) as sp:
-                    try:
-                        scored = await self.rewards.score(prompt, ep.response_text)
-                    except RewardFailed as exc:
-                        sp.set_status(Status(StatusCode.ERROR, str(exc)))
-                        await self._dead_letter_episode(ep, exc)
-                        continue
-                ep.reward, ep.reward_components = scored.reward, scored.components
-                ep.timings["reward_s"] = scored.seconds
-                ep.validate()
+            for ep, ok in zip(episodes, scored):
+                if not ok:
+                    continue
                 with _tracer.start_as_current_span("generator.produce", attributes={"episode_id": ep.episode_id}):
                     acks.append(await self.producer.enqueue(self.names.episodes, ep, key=ep.group_id))
             if acks:
@@ -368,6 +363,21 @@ class GeneratorRole(Service):
         if rec is not None:
             self.offsets.done(rec.tp, rec.offset)
             await self._commit()
+
+    async def _score(self, prompt: Prompt, ep: Episode) -> bool:
+        """Fill in the Episode's reward; on ``RewardFailed`` dead-letter it and return False."""
+        assert self.rewards is not None
+        with _tracer.start_as_current_span("generator.reward", attributes={"episode_id": ep.episode_id}) as span:
+            try:
+                scored = await self.rewards.score(prompt, ep.response_text)
+            except RewardFailed as exc:
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                await self._dead_letter_episode(ep, exc)
+                return False
+        ep.reward, ep.reward_components = scored.reward, scored.components
+        ep.timings["reward_s"] = scored.seconds
+        ep.validate()
+        return True
 
     async def _dead_letter_episode(self, ep: Episode, exc: RewardFailed) -> None:
         assert self.dead is not None

@@ -53,7 +53,7 @@ def scripted_reward(prompt: Prompt, response_text: str) -> float:
 
 
 def slow_reward(prompt: Prompt, response_text: str) -> float:
-    time.sleep(0.3)
+    time.sleep(1.0)
     return 0.0
 
 
@@ -255,6 +255,28 @@ async def test_reward_failures_go_to_dead_letter(run_config, engine, model_dir):
     assert sorted(reasons) == ["p1", "p2"]
     assert all(r == "reward_error" and "scripted failure" in d for r, d in reasons["p1"])
     assert all(r == "reward_timeout" and "0.3 s" in d for r, d in reasons["p2"])
+
+
+async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, engine, model_dir):
+    """``stop`` while prompts are in flight: drain finishes them (Episodes acked) and commits their offsets."""
+    cfg = configure(run_config, model_dir, group_size=2, max_tokens=4, max_concurrent_prompts=4, generator_id="g4",
+                    rewards=["tests.integration.test_generator:slow_reward"])
+    prompts = [p for _, p in zip(range(4), toy_prompts("reverse", seed=8))]
+    await feed(cfg, prompts)
+    role = GeneratorRole(cfg, engine=engine)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    deadline = time.monotonic() + 60
+    while role.offsets.in_flight() < 4:
+        assert time.monotonic() < deadline and not task.done(), "the prompts were not taken"
+        await asyncio.sleep(0.02)
+    assert role.stats["episodes"] == 0  # every reward still sleeping
+    await stop_role(stop, task)
+    assert role.stats["prompts"] == 4 and role.stats["episodes"] == 8
+    fed = await read_topic(cfg.kafka, cfg.names.prompts, expect=Prompt)
+    assert await committed_offsets(cfg) == prompt_partitions(fed)
+    episodes = await read_topic(cfg.kafka, cfg.names.episodes, expect=Episode)
+    assert sorted(r.value.episode_id for r in episodes) == sorted(f"{p.prompt_id}/{i}" for p in prompts for i in (0, 1))
 
 
 async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, model_dir, tmp_path):
