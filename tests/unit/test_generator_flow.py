@@ -105,3 +105,28 @@ def test_backpressure_quota_per_version():
     assert not bp.open(0) and "since version 0" in bp.reason(0)
     bp.published(1)  # the trainer caught up
     assert bp.open(1) and bp.taken_since_latest == 0
+
+
+def test_build_episodes_ids_versions_and_lengths():
+    import numpy as np
+
+    from producers.engine import Completion
+    from producers.generator import build_episodes
+    from topics.schemas import Prompt
+
+    prompt = Prompt(prompt_id="addmod10-0-3", task="addmod10", text="1+2=", answer="3", created_at=0.0)
+    completions = [
+        Completion(index=0, token_ids=[7, 2], logprobs=[-0.1, -0.2], versions=[4, 5], text="3",
+                   finish_reason="stop", generate_s=0.5),
+        Completion(index=1, token_ids=[], logprobs=[], versions=[], text="", finish_reason="length"),
+    ]
+    eps = build_episodes(prompt, [1, 5, 41, 6, 45], completions, generator_id="g", engine_version=6, queued_s=0.25)
+    assert [e.episode_id for e in eps] == ["addmod10-0-3/0", "addmod10-0-3/1"]
+    assert all(e.group_id == "addmod10-0-3" and e.group_size == 2 and e.generator_id == "g" for e in eps)
+    assert eps[0].policy_version == 4 and eps[0].min_version == 4  # the version of the first response token
+    assert eps[1].policy_version == 6  # no tokens: the engine's version
+    assert eps[0].response_tokens.dtype == np.int32 and eps[0].logprobs.dtype == np.float32
+    assert list(eps[0].token_versions) == [4, 5] and list(eps[0].prompt_tokens) == [1, 5, 41, 6, 45]
+    assert eps[0].timings == {"queued_s": 0.25, "first_token_s": 0.0, "generate_s": 0.5}
+    for e in eps:
+        e.validate()
