@@ -128,10 +128,15 @@ def build_run_config(config: RLConfig, *, reward_functions: Sequence[str | Calla
 
 
 def train(config: RLConfig, *, reward_functions: Sequence[str | Callable[..., float]] = (),
-          dataset: Iterable[Mapping[str, Any]] | str | os.PathLike | None = None, task: str = "") -> TrainResult:
-    """Run a whole training (brokers and every role as processes) and return where it went and how it ended."""
+          dataset: Iterable[Mapping[str, Any]] | str | os.PathLike | None = None, task: str = "",
+          budget_s: float = 0.0) -> TrainResult:
+    """Run a whole training (brokers and every role as processes) and return where it went and how it ended.
+
+    ``budget_s`` > 0 stops the run gracefully after that many seconds of wall-clock time."""
     from streamforge.up import run_up
 
+    if budget_s:
+        config.extra = {**config.extra, "up.max_wall_s": budget_s}
     run_config, overrides = build_run_config(config, reward_functions=reward_functions, dataset=dataset, task=task)
     code = run_up(run_config, config_path=None, overrides=overrides)
     run_dir = run_config.run_dir

@@ -98,6 +98,7 @@ class UpConfig:
     buffers: int = 1
     restart: bool = False  # restart a child that dies instead of stopping the run
     drain_timeout_s: float = 20.0
+    max_wall_s: float = 0.0  # >0: stop the whole run (gracefully) after this many seconds
 
     def __post_init__(self) -> None:
         if self.generators < 0 or self.buffers < 1:

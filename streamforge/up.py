@@ -175,7 +175,11 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
         seen = 0
         waiter = asyncio.ensure_future(stop.wait())
+        started = time.monotonic()
         while not stop.is_set():
+            if config.up.max_wall_s and time.monotonic() - started > config.up.max_wall_s:
+                print(f"wall-clock budget of {config.up.max_wall_s:.0f} s reached; stopping", flush=True)
+                break
             await asyncio.wait([waiter], timeout=1.0)
             line, seen = _progress_line(run_dir, seen)
             if line:

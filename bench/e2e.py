@@ -1,0 +1,149 @@
+"""End-to-end benchmark: time to mean reward 0.8 for TRL's GRPOTrainer, streamforge sync and streamforge async.
+
+Same tiny model (``producers/tiny_model.py``), task, group size, learning rate and seed for all three, in one run
+on one machine. Each system gets a wall-clock budget; time is measured from the first training step (start-up of
+brokers, engines and processes excluded, for all three alike) to the step whose running mean reward (window
+``--window`` steps) first reaches ``--target``. A system that does not reach the target within its budget reports
+``null`` for its time (and the reward it reached), and the ratios that need it are ``null``.
+
+* TRL: ``trl.GRPOTrainer`` (install the ``bench`` extra), generation with transformers on CPU, ``beta=0``.
+* streamforge sync: ``streamforge.train`` with ``max_policy_lag=0`` (generators wait for each version).
+* streamforge async: the same with ``max_policy_lag=1`` (generation overlaps training).
+
+Variants: ``--task addmod10 --max-tokens 2`` (default) and a generation-heavy one, e.g. ``--task reverse
+--max-tokens 8``. Last line: ``{"bench": "e2e", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
+"speedup_vs_sync": B/C, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def time_to_target(rows: list[tuple[float, float]], target: float, window: int) -> tuple[float | None, float]:
+    """(seconds from the first row to the first running mean >= target, best running mean)."""
+    if not rows:
+        return None, 0.0
+    t0, best = rows[0][0], 0.0
+    for i in range(len(rows)):
+        recent = [r for _, r in rows[max(0, i - window + 1): i + 1]]
+        mean = sum(recent) / len(recent)
+        best = max(best, mean)
+        if len(recent) >= min(window, 5) and mean >= target:
+            return rows[i][0] - t0, mean
+    return None, best
+
+
+def run_trl(model_dir: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    import random
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from producers.tasks import get_task
+    from producers.tiny_model import load_tokenizer
+
+    task = get_task(args.task)
+    rng = random.Random(args.seed)
+    rows = [dict(zip(("prompt", "answer"), task.make_prompt(rng))) for _ in range(20_000)]
+    rewards: list[tuple[float, float]] = []
+    deadline = time.monotonic() + args.budget_s
+
+    def reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        return [task.score(c, a) for c, a in zip(completions, answer)]
+
+    class Stop(TrainerCallback):
+        def on_log(self, _args, state, control, logs=None, **kw):  # noqa: ANN001
+            if logs and "reward" in logs:
+                rewards.append((time.monotonic(), float(logs["reward"])))
+                hit, _ = time_to_target(rewards, args.target, args.window)
+                if hit is not None or time.monotonic() > deadline:
+                    control.should_training_stop = True
+
+    torch.manual_seed(args.seed)
+    config = GRPOConfig(
+        output_dir=str(out / "trl"), learning_rate=args.lr, num_generations=args.group_size,
+        per_device_train_batch_size=args.group_size * args.prompts, max_completion_length=args.max_tokens,
+        temperature=1.0, beta=0.0, logging_steps=1, max_steps=args.max_steps, report_to="none", use_cpu=True,
+        bf16=False, gradient_checkpointing=False, save_strategy="no", seed=args.seed, disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                          reward_funcs=[reward], args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=load_tokenizer(model_dir), callbacks=[Stop()])
+    trainer.train()
+    secs, best = time_to_target(rewards, args.target, args.window)
+    return {"seconds": secs, "best_reward": best, "steps": len(rewards)}
+
+
+def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: int) -> dict[str, Any]:
+    from streamforge.api import RLConfig, train
+    from streamforge.plots import read_metrics
+
+    run_dir = out / f"sf-lag{lag}"
+    cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
+                   num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
+                   max_steps=args.max_steps, reward_target=args.target, max_policy_lag=lag, seed=args.seed,
+                   extra={"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
+                          "buffer.filter_zero_variance": False, "trainer.checkpoint_every": 1000,
+                          "generator.groups_per_version": args.prompts if lag == 0 else 0})
+    deadline_rows: list[tuple[float, float]] = []
+    result = train(cfg, reward_functions=["toy"], budget_s=args.budget_s)
+    for row in read_metrics(run_dir / "metrics.jsonl"):
+        deadline_rows.append((float(row["time_s"]), float(row.get("reward_mean", 0.0))))
+    secs, best = time_to_target(deadline_rows, args.target, args.window)
+    return {"seconds": secs, "best_reward": best, "steps": len(deadline_rows), "exit_code": result.exit_code}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--task", default="addmod10")
+    p.add_argument("--max-tokens", type=int, default=2)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=0.8)
+    p.add_argument("--window", type=int, default=20)
+    p.add_argument("--max-steps", type=int, default=3000)
+    p.add_argument("--budget-s", type=float, default=900.0, help="wall-clock budget per system")
+    p.add_argument("--systems", default="trl,sync,async")
+    args = p.parse_args()
+
+    from producers.tiny_model import build_tiny_model
+
+    out = Path(tempfile.mkdtemp(prefix="sf-bench-e2e-"))
+    model_dir = build_tiny_model(out / "model", seed=args.seed)
+    res: dict[str, dict[str, Any]] = {}
+    systems = args.systems.split(",")
+    if "trl" in systems:
+        res["trl"] = run_trl(model_dir, args, out)
+    if "sync" in systems:
+        res["sync"] = run_streamforge(model_dir, args, out, lag=0)
+    if "async" in systems:
+        res["async"] = run_streamforge(model_dir, args, out, lag=1)
+    for name, r in res.items():
+        print(f"{name:6s} time to {args.target}: {r['seconds']} s  best running reward {r['best_reward']:.3f}  "
+              f"steps {r['steps']}")
+    a = res.get("trl", {}).get("seconds")
+    b = res.get("sync", {}).get("seconds")
+    c = res.get("async", {}).get("seconds")
+    print(orjson.dumps({
+        "bench": "e2e", "task": args.task, "max_tokens": args.max_tokens, "trl_s": a, "sync_s": b, "async_s": c,
+        "speedup_vs_trl": (a / c) if a and c else None, "speedup_vs_sync": (b / c) if b and c else None,
+        "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()},
+    }).decode())
+
+
+if __name__ == "__main__":
+    main()
