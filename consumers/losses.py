@@ -22,7 +22,9 @@ Shared options for every built-in: ``beta`` adds the k3 estimator of KL(pi || pi
 ``l += beta * (exp(ref - logp) - (ref - logp) - 1)`` (needs ``ref_logprobs``); ``entropy_coef`` subtracts
 ``entropy_coef * sum(H m) / max(1, sum m)`` (needs ``entropy``); ``off_policy_mask_threshold`` drops rows with
 ``A_i < 0`` whose mean ``old - sg(logp)`` over the mask exceeds it (TRL's off-policy sequence mask, for stale
-episodes).
+episodes); ``ratio_mask_threshold`` (``c > 1``) zeroes the loss of tokens whose ``sg(r)`` lies outside
+``[1/c, c]`` (masked importance sampling: a token the behaviour policy made far likelier or unlikelier than the
+current one carries no gradient; the normaliser is unchanged).
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ class PolicyLoss:
                  epsilon_high: float | None = None, delta: float | None = None, beta: float = 0.0,
                  entropy_coef: float = 0.0, max_completion_length: int | None = None,
                  off_policy_mask_threshold: float | None = None, sapo_temperature_pos: float = 1.0,
-                 sapo_temperature_neg: float = 1.05, is_cap: float = 2.0) -> None:
+                 sapo_temperature_neg: float = 1.05, is_cap: float = 2.0,
+                 ratio_mask_threshold: float | None = None) -> None:
         if epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ConfigError("trainer.loss_args.epsilon", "must be >= 0")
         if delta is not None and delta <= 1.0:
@@ -135,6 +138,8 @@ class PolicyLoss:
             raise ConfigError("trainer.loss_args.beta", "must be >= 0")
         if is_cap <= 0:
             raise ConfigError("trainer.loss_args.is_cap", "must be positive")
+        if ratio_mask_threshold is not None and ratio_mask_threshold <= 1:
+            raise ConfigError("trainer.loss_args.ratio_mask_threshold", "must be > 1")
         self.objective, self.aggregation, self.level = objective, aggregation, level
         self.epsilon_low = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -143,6 +148,7 @@ class PolicyLoss:
         self.off_policy_mask_threshold = off_policy_mask_threshold
         self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
         self.is_cap = is_cap
+        self.ratio_mask_threshold = ratio_mask_threshold
 
     def _log_weights(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
         if self.level == "token":
@@ -191,6 +197,11 @@ class PolicyLoss:
                                    self.off_policy_mask_threshold)
             per_token = per_token * keep
             metrics["off_policy_masked"] = _f(1 - keep.mean())
+        if self.ratio_mask_threshold is not None:
+            r = torch.exp(logprobs.detach() - old_logprobs)
+            keep = ((r <= self.ratio_mask_threshold) & (r >= 1 / self.ratio_mask_threshold)).to(mask.dtype)
+            per_token = per_token * keep
+            metrics["ratio_masked"] = _f(masked_mean(1 - keep, mask))
         if self.beta != 0.0:
             if ref_logprobs is None:
                 raise ValueError("beta > 0 needs ref_logprobs")

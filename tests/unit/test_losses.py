@@ -247,3 +247,16 @@ def test_sft_loss_is_mean_nll_of_completion():
     logp = torch.tensor([[-9.0, -1.0, -3.0]])
     loss, _ = sft_loss(logp, torch.tensor([[0.0, 1.0, 1.0]]))
     assert loss.item() == pytest.approx(2.0)
+
+
+def test_ratio_mask_threshold_drops_far_off_policy_tokens():
+    logp = torch.zeros(1, 3, requires_grad=True)
+    old = torch.tensor([[0.0, -2.0, 2.0]])  # ratios 1, e^2, e^-2
+    loss, m = make_loss("bnpo", ratio_mask_threshold=3.0, epsilon=10.0)(logp, old, torch.tensor([1.0]),
+                                                                       torch.ones(1, 3))
+    loss.backward()
+    assert logp.grad[0, 0] != 0 and logp.grad[0, 1] == 0 and logp.grad[0, 2] == 0
+    assert loss.item() == pytest.approx(-1.0 / 3)  # the normaliser still counts all three tokens
+    assert m["ratio_masked"] == pytest.approx(2 / 3)
+    with pytest.raises(ConfigError):
+        make_loss("grpo", ratio_mask_threshold=0.5)
