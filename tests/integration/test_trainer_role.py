@@ -203,3 +203,41 @@ async def test_sigkill_after_checkpoint_restart_trains_each_batch_once(run_confi
     # restart continues after the store's latest, so versions never go backwards: 8 more from there
     assert pv is not None and pv.step == total and pv.version in (6 + total - 4, 7 + total - 4)
     assert "resumed from step 4" in (cfg.run_dir.parent / "trainer2.log").read_text()
+
+
+@pytest.mark.timeout(180)
+async def test_reward_target_stops_and_graceful_stop_checkpoints(run_config, tiny_dir: Path):
+    from consumers.trainer import TrainerRole
+
+    cfg = run_config
+    cfg.model.path = str(tiny_dir)
+    cfg.trainer.reward_target = 0.9
+    cfg.trainer.reward_window = 2
+    cfg.trainer.checkpoint_every = 100
+    cfg.trainer.poll_timeout_ms = 200
+    cfg.weightsync.transport = "file"
+    cfg.weightsync.ack_deadline_s = 1.0
+    good = [make_batch(i) for i in range(3)]
+    for b in good:
+        b.rewards[:] = 1.0
+    await produce(cfg, cfg.names.batches, [make_batch(50), *good])
+    role = TrainerRole(cfg)
+    await asyncio.wait_for(role.serve(), 150)
+    assert role.finished_reason.startswith("mean reward")
+    assert len(Ledger.read(cfg.run_dir)) == 3  # batch 50 (mixed rewards), then two at 1.0
+    assert (cfg.run_dir / "checkpoints" / "step-3").exists()  # the end of a run is always checkpointed
+
+    # A graceful stop (SIGTERM in a process) while waiting for batches: checkpoint, export, release.
+    cfg.trainer.reward_target = 0.0
+    role = TrainerRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(role.serve(stop))
+    await produce(cfg, cfg.names.batches, [make_batch(60)])
+    deadline = time.monotonic() + 90
+    while len(Ledger.read(cfg.run_dir)) < 5:  # batch-002 (left when the target was met), then batch-060
+        assert time.monotonic() < deadline and not task.done()
+        await asyncio.sleep(0.2)
+    stop.set()
+    await asyncio.wait_for(task, 60)
+    assert [r["batch_ids"][0] for r in Ledger.read(cfg.run_dir)][-2:] == ["batch-002", "batch-060"]
+    assert (cfg.run_dir / "checkpoints" / "step-5").exists() and (cfg.run_dir / "hf" / "config.json").exists()
