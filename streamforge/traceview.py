@@ -1,7 +1,7 @@
 """``streamforge trace``: one episode's path through the system, from ``traces.jsonl``, as a timed tree.
 
-A span belongs to an episode's path when it carries the episode id (attribute ``episode.id`` or a list in
-``episode.ids``), when it shares a trace with such a span (the prompt's dispatch, generation, reward, produce),
+A span belongs to an episode's path when it carries the episode id (attribute ``episode_id`` or ``episode.id``,
+or a list in ``episode.ids``), when it shares a trace with such a span (the prompt's dispatch, generation, reward, produce),
 or when it links to a span of that path (the buffer's batch decision, the trainer step, the PolicyVersion it
 produced and each generator's swap to that version, which link to their inputs), transitively.
 """
@@ -17,7 +17,7 @@ from streamforge.telemetry import read_spans
 
 def _mentions(span: dict[str, Any], episode_id: str) -> bool:
     attrs = span.get("attributes") or {}
-    if attrs.get("episode.id") == episode_id:
+    if attrs.get("episode_id") == episode_id or attrs.get("episode.id") == episode_id:
         return True
     ids = attrs.get("episode.ids")
     return isinstance(ids, (list, tuple)) and episode_id in ids
