@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import numpy as np
+from opentelemetry import trace
 
 from consumers.checkpoint import CheckpointMeta
 from consumers.engine import EXPORT, PUBLISH, QUIT, Commander, TrainEngine, follow, model_dir_for, staleness
@@ -38,6 +39,7 @@ from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample
 
 log = logging.getLogger("streamforge.trainer")
+_tracer = trace.get_tracer("streamforge.trainer")
 
 
 def _record(metrics: dict[str, Any], step: int) -> None:
@@ -234,7 +236,11 @@ class TrainerRole(Service):
                 continue
             self._idle.clear()
             try:
-                await self._train_one(batch, records)
+                # the step span continues the batch's trace (the buffer's context travels in the record headers)
+                with _tracer.start_as_current_span("trainer.step", context=records[0].context, attributes={
+                        "batch_id": batch.batch_id, "step": self.step + 1, "policy_version": self.version,
+                        "episodes": len(batch.episode_ids)}):
+                    await self._train_one(batch, records)
             finally:
                 self._idle.set()
         await asyncio.Event().wait()
@@ -299,16 +305,18 @@ class TrainerRole(Service):
             await self._round  # at most one round in flight; a failed round (StaleWriter...) stops the role
         self.version += 1
         self.cmd.send(PUBLISH)
-        self._round = await self.publisher.submit(version=self.version, step=self.step,
-                                                  named_tensors=self.engine.named_tensors,
-                                                  batch_ids=list(self._since_publish))
+        with _tracer.start_as_current_span("trainer.publish", attributes={"version": self.version}):
+            self._round = await self.publisher.submit(version=self.version, step=self.step,
+                                                      named_tensors=self.engine.named_tensors,
+                                                      batch_ids=list(self._since_publish))
         self._since_publish = []
 
     async def _checkpoint(self) -> None:
         meta = CheckpointMeta(step=self.step, policy_version=self.version, offsets=dict(self.source.offsets),
                               recent_batch_ids=list(self.recent), world_size=self.d.world_size)
         self.cmd.checkpoint(meta)
-        path = await asyncio.to_thread(self.engine.save, meta)
+        with _tracer.start_as_current_span("trainer.checkpoint", attributes={"step": self.step}):
+            path = await asyncio.to_thread(self.engine.save, meta)
         self._checkpointed_step = self.step
         await self.source.commit()
         log.info("checkpoint %s", path)
