@@ -171,6 +171,7 @@ class BufferState:
             return "duplicate"
         if ep.group_id in self._decided_groups:
             part.held.add(offset)
+            self._held_ids.add(ep.episode_id)  # a redelivery while this drop is in flight is a duplicate
             self._outbox.append(self._drop(
                 [held], Reason.LATE, ep.group_id, f"group already {self._decided_groups[ep.group_id]}"))
             return "late"
