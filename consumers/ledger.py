@@ -39,7 +39,7 @@ class JsonlAppender:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "ab")
+        self._fh = open(self.path, "ab")  # noqa: SIM115 - held open for the role's lifetime, closed by close()
 
     def append(self, row: dict[str, Any]) -> None:
         self._fh.write(orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")

@@ -11,7 +11,7 @@ CPU, nccl on CUDA. Gloo has no PREMUL_SUM, hence ``set_force_sum_reduction_for_c
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -26,7 +26,7 @@ class Dist:
 
     rank: int = 0
     world_size: int = 1
-    device: torch.device = torch.device("cpu")
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: Any = None
 
     @property

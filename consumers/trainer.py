@@ -154,7 +154,7 @@ class TrainerRole(Service):
         for closer in (self._close_round, self._close_clients):
             try:
                 await closer()
-            except Exception as exc:  # stopping must not hide the original failure
+            except Exception as exc:  # noqa: BLE001 - stopping must not hide the original failure
                 log.warning("trainer stop: %s", exc)
         if self.d.enabled:
             if self._quit_sent:  # a clean end on every rank: barrier, then leave together

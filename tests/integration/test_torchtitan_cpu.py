@@ -129,7 +129,7 @@ def test_two_ranks_fsdp_gloo_equal_single_process(tiny_dir: Path, tmp_path: Path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-        env=env, capture_output=True, text=True, timeout=220,
+        env=env, capture_output=True, text=True, timeout=220, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rank0 = load_file(str(tmp_path / "rank0.safetensors"))

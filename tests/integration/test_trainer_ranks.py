@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_trainer_role import ROOT, latest_version, make_batch, produce
 
 from consumers.ledger import Ledger
-from test_trainer_role import ROOT, latest_version, make_batch, produce
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +33,8 @@ async def launch(cfg, tiny_dir: Path, max_steps: int, log: Path) -> int:
            "--weightsync.transport=file", "--weightsync.ack_deadline_s=1", "--telemetry.traces=none",
            "--telemetry.metrics=[]"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log, "wb") as fh:  # noqa: ASYNC230
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: ASYNC220
         try:
             return await asyncio.wait_for(asyncio.to_thread(proc.wait), 200)
         finally:
