@@ -9,8 +9,9 @@ Rendezvous: the trainer runs one ``TCPStore`` server (``Rendezvous``); each pair
 session string both sides know (the generator's join message), so pairs never mix keys. Every call here is bounded
 by the timeout given at group creation (gloo raises after it), so no caller can hang on a dead peer.
 
-Messages of one push, all broadcasts from rank 0 (see ``weightsync/wire.py``): ``int64[1]`` header length, the
-``uint8`` header, then each bucket. ``recv_push`` returns the layout and the received buckets.
+Messages of one push, all broadcasts from rank 0 (see ``weightsync/wire.py``): a ``PREAMBLE``-byte message with the
+header's length (int64) and the header itself when it fits (else the header follows as its own message), then each
+bucket. ``recv_push`` returns the layout and the received buckets.
 """
 
 from __future__ import annotations
@@ -101,13 +102,21 @@ def _bcast(pg: ProcessGroupGloo, tensor: torch.Tensor, peer: str) -> None:
         raise TransferFailed(peer, msg.splitlines()[0] if msg else type(exc).__name__) from exc
 
 
+PREAMBLE = 16 * 1024  # bytes: 8-byte header length, then the header itself when it fits
+
+
 def send_push(pg: ProcessGroupGloo, snapshot: Snapshot, *, peer: str = "generator") -> float:
-    """Send one snapshot (header, then buckets) as rank 0; returns seconds spent. Raises ``TransferFailed`` or
-    ``TimeoutExpired`` (bounded by the group's timeout)."""
+    """Send one snapshot (preamble with the header, then buckets) as rank 0; returns seconds spent. Raises
+    ``TransferFailed`` or ``TimeoutExpired`` (bounded by the group's timeout)."""
     t0 = time.perf_counter()
     header = snapshot.layout.to_header()
-    _bcast(pg, torch.tensor([len(header)], dtype=torch.int64), peer)
-    _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8), peer)
+    preamble = torch.zeros(PREAMBLE, dtype=torch.uint8)
+    preamble[:8].view(torch.int64)[0] = len(header)
+    if len(header) <= PREAMBLE - 8:
+        preamble[8:8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    _bcast(pg, preamble, peer)
+    if len(header) > PREAMBLE - 8:
+        _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8), peer)
     for buf in snapshot.buffers:
         if buf.numel():
             _bcast(pg, buf, peer)
@@ -115,11 +124,15 @@ def send_push(pg: ProcessGroupGloo, snapshot: Snapshot, *, peer: str = "generato
 
 
 def recv_header(pg: ProcessGroupGloo, *, peer: str = "trainer") -> Layout:
-    """Receive the header of a push as rank 1."""
-    n = torch.zeros(1, dtype=torch.int64)
-    _bcast(pg, n, peer)
-    raw = torch.empty(int(n.item()), dtype=torch.uint8)
-    _bcast(pg, raw, peer)
+    """Receive the header of a push as rank 1 (one message unless the header exceeds the preamble)."""
+    preamble = torch.empty(PREAMBLE, dtype=torch.uint8)
+    _bcast(pg, preamble, peer)
+    n = int(preamble[:8].view(torch.int64)[0])
+    if n <= PREAMBLE - 8:
+        raw = preamble[8:8 + n]
+    else:
+        raw = torch.empty(n, dtype=torch.uint8)
+        _bcast(pg, raw, peer)
     return Layout.from_header(raw.numpy().tobytes())
 
 

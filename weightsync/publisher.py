@@ -107,6 +107,7 @@ class WeightPublisher:
         self._acks_done = asyncio.Event()
         self._round_acks: dict[str, dict[str, Any]] = {}
         self._subs: list[Any] = []
+        self._detached: dict[str, _Pair] = {}  # pairs of members expired for silence, kept in case they are alive
         self._bg: set[asyncio.Task] = set()
         self._started = False
         self._stopped = False
@@ -157,6 +158,8 @@ class WeightPublisher:
         for m in self.registry.members.values():
             if isinstance(m.state, _Pair):
                 m.state.close()
+        for pair in self._detached.values():
+            pair.close()
         if self._rdzv is not None:
             self._rdzv.close()
 
@@ -210,20 +213,17 @@ class WeightPublisher:
             pv.address = self.address
         sends: dict[str, asyncio.Future] = {}
         async with self._lock:
-            for m in self.registry.expire():
-                log.warning("generator %s silent for %.0f s: dropped from membership", m.generator_id,
-                            self.cfg.member_timeout_s)
+            now = time.time()
+            for m in self.registry.expire(now=now):
+                log.warning("generator %s silent for %.1f s: dropped from membership", m.generator_id,
+                            now - m.last_seen)
                 self.counters["members_expired"] += 1
-                self._close_member(m)
+                if isinstance(m.state, _Pair) and not m.state.broken:
+                    self._detached[m.generator_id] = m.state  # re-attached if it turns out to be alive
             # Every member is expected to ack. A member without a working pair group (it joined before any
             # collective version existed, or its pair broke) joins on this notification and gets the snapshot
             # pushed at once; a dead one is fenced at the deadline and expires from the membership later.
             targets = list(self.registry.members.values())
-            if self.collective:
-                self._latest = snapshot
-                for m in targets:
-                    if self._reachable(m):
-                        sends[m.generator_id] = self._queue_push(m, snapshot)
             self._round_version = version
             self._round_acks = {}
             self._waiting = {m.generator_id for m in targets if not self.registry.acked(m.generator_id, version)}
@@ -233,6 +233,11 @@ class WeightPublisher:
             self.registry.latest_version = version
             self._rev = await self.store.publish(pv, expected_revision=self._rev)
             self._latest_pv = pv
+            if self.collective:
+                self._latest = snapshot
+                for m in targets:
+                    if self._reachable(m):
+                        sends[m.generator_id] = self._queue_push(m, snapshot)
         for gid, fut in sends.items():
             fut.add_done_callback(lambda f, gid=gid: self._on_push_done(gid, version, f))
         try:
@@ -290,11 +295,6 @@ class WeightPublisher:
             self._fence(gid, version)
             self._done_waiting(gid)
 
-    def _close_member(self, m: Member) -> None:
-        if isinstance(m.state, _Pair):
-            m.state.close()
-        m.state = None
-
     # -- membership and acks -------------------------------------------------------------------
     async def _on_membership(self, msg: Any) -> None:
         try:
@@ -303,9 +303,11 @@ class WeightPublisher:
             log.warning("bad membership message: %s", exc)
             self.counters["bad_messages"] += 1
             return
+        log.debug("membership %s from %s (version %d)", mem.event, mem.generator_id, mem.version)
         async with self._lock:
             previous = self.registry.members.get(mem.generator_id)
-            old_state = previous.state if previous is not None else None
+            old_state = previous.state if previous is not None else self._detached.get(mem.generator_id)
+            self._detached.pop(mem.generator_id, None)
             m = self.registry.on_membership(mem)
             if mem.event == "leave":
                 log.info("generator %s left", mem.generator_id)
@@ -316,13 +318,15 @@ class WeightPublisher:
                     self._acks_done.set()
                 return
             if mem.event != "join" or m is None:
+                if m is not None and m.state is None and isinstance(old_state, _Pair):
+                    m.state = old_state  # a member that was expired for silence, back with its pair intact
                 return
             log.info("generator %s joined (pid %d, version %d)", mem.generator_id, mem.pid, mem.version)
             if isinstance(old_state, _Pair):
                 old_state.close()
             m.state = None
             reply = self._latest_pv
-            if self.collective and self._rdzv is not None:
+            if self.collective and self._rdzv is not None and msg.reply:  # a plain announcement opens no pair
                 pair = _Pair(session=m.session)
                 pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s)
                 m.state = pair

@@ -179,6 +179,10 @@ class WeightReceiver:
             pushed = await self._join(pv)
             if pushed > self.engine.version:
                 await self._receive(pushed)
+            elif pushed < 0:  # this trainer has nothing to push (it has not published since it started)
+                log.info("version %d: the trainer at %s pushes nothing now; waiting for its next version",
+                         pv.version, self._address)
+                return
         if pv.version > self.engine.version:
             await self._receive(pv.version)
 

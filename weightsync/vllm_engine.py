@@ -35,7 +35,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from weightsync.collective import TransferFailed, generator_pair, recv_push
+from weightsync.collective import TransferFailed, _bcast, generator_pair, recv_push
 from weightsync.wire import Snapshot
 
 log = logging.getLogger("streamforge.weightsync.vllm_engine")
@@ -98,6 +98,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """Start receiving the next push in the background; ``update_weights`` picks it up."""
         if self._pending is None:
             self._pending = self._io.submit(self._receive)
+
+    def raw_prefetch(self, sizes: list[int]) -> Future:
+        """Receive plain buffers of ``sizes`` bytes on the transport thread, loading nothing (benchmark baseline:
+        the same thread and conditions as ``prefetch``, without the push format)."""
+
+        def recv() -> float:
+            group = self._group()
+            t0 = time.perf_counter()
+            for n in sizes:
+                _bcast(group, torch.empty(int(n), dtype=torch.uint8), "trainer")
+            return time.perf_counter() - t0
+
+        return self._io.submit(recv)
 
     def connected(self) -> bool:
         return self._pg is not None and self._pg.done() and self._pg.exception() is None

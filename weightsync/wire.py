@@ -13,8 +13,8 @@ plus the version as JSON (orjson; never pickle), so a receiver needs no prior kn
     header = {"format": 1, "version": int, "step": int, "buckets": [nbytes, ...],
               "params": [[name, dtype, [shape...], bucket, offset], ...]}
 
-On a collective transport the header goes as two messages (an ``int64[1]`` length, then the ``uint8`` JSON) followed
-by one message per bucket, in order.
+On a collective transport the header goes first (in a fixed-size preamble, see ``weightsync/collective.py``),
+followed by one message per bucket, in order.
 """
 
 from __future__ import annotations

@@ -5,19 +5,15 @@ from the generator through ``AsyncLLM.collective_rpc(name, ...)``:
 
 * ``weightsync_prefetch(version)``: start receiving the next push into host memory (returns at once);
 * ``weightsync_stats()``: the last loaded version, its size, receive and load times;
-* ``weightsync_raw_recv(sizes)``: receive plain buffers of the given sizes over the same pair group, without
-  loading anything (the benchmark's raw-broadcast baseline); returns seconds.
+* ``weightsync_raw_prefetch(sizes)`` / ``weightsync_raw_wait()``: receive plain buffers of the given sizes over
+  the same pair group on the same thread as a push, loading nothing (the benchmark's raw-broadcast baseline).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import torch
-
 from weightsync import vllm_engine
-from weightsync.collective import _bcast
 
 vllm_engine.register()
 
@@ -40,9 +36,10 @@ class WeightSyncWorkerExtension:
             return engine.stats()
         return {"version": -1, "bytes": 0, "receive_s": 0.0, "load_s": 0.0, "connected": 0.0}
 
-    def weightsync_raw_recv(self, sizes: list[int]) -> float:
-        group = self._weightsync_engine()._group()
-        t0 = time.perf_counter()
-        for n in sizes:
-            _bcast(group, torch.empty(int(n), dtype=torch.uint8), "trainer")
-        return time.perf_counter() - t0
+    def weightsync_raw_prefetch(self, sizes: list[int]) -> None:
+        """Start receiving plain buffers of ``sizes`` bytes on the transport thread (returns at once)."""
+        self._weightsync_raw = self._weightsync_engine().raw_prefetch(sizes)
+
+    def weightsync_raw_wait(self) -> float:
+        """Seconds the last ``weightsync_raw_prefetch`` spent receiving (waits for it, bounded)."""
+        return float(self._weightsync_raw.result(timeout=120))

@@ -27,6 +27,12 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
             ("lm_head.weight", torch.randn(64, 16, generator=g))]
 
 
+async def _until(pred, timeout: float = 10.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not pred():
+            await asyncio.sleep(0.02)
+
+
 async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run_config, tmp_path):
     names = run_config.names
     cfg = WeightSyncConfig(transport="file", shared_dir=str(tmp_path / "shared"), ack_deadline_s=1.0)
@@ -46,7 +52,7 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             for gid in ("live", "silent"):
                 await publish_msg(gen, names.membership_subject, Membership(generator_id=gid, event="join"))
             await gen.flush()
-            await asyncio.sleep(0.2)
+            await _until(lambda: set(pub.members()) == {"live", "silent"})
 
             t0 = time.monotonic()
             w1 = _weights(1)
@@ -75,7 +81,7 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             assert parse_fenced(await store.get(FENCED_KEY)) == {}
             await publish_msg(gen, names.membership_subject, Membership(generator_id="silent", event="leave"))
             await gen.flush()
-            await asyncio.sleep(0.1)
+            await _until(lambda: set(pub.members()) == {"live"})
             t0 = time.monotonic()
             task = await pub.submit(version=2, step=20, named_tensors=lambda: iter(_weights(2)), batch_ids=["b3"])
             pv2 = await task

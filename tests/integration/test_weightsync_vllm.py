@@ -127,6 +127,10 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         file_cfg = WeightSyncConfig(transport="file", shared_dir=str(run_config.run_dir / "shared"), ack_deadline_s=30)
         async with WeightPublisher(file_cfg, nc=nc_t, names=names, run_dir=run_config.run_dir) as fpub:
             assert fpub.latest_version == 1
+            # a freshly started trainer learns its generators from their heartbeats
+            async with asyncio.timeout(gloo.heartbeat_s * 5):
+                while "g0" not in fpub.members():
+                    await asyncio.sleep(0.05)
             pv2 = await fpub.publish(version=2, step=2, named_tensors=lambda: hf_named_tensors(policy),
                                      batch_ids=["b2"])
             await _wait_version(engine, 2)

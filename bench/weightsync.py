@@ -1,0 +1,177 @@
+"""Benchmark: a full weight push into a live vLLM generator vs a raw torch.distributed broadcast, and the swap pause.
+
+One run, two processes that matter: this one (the trainer side) and the vLLM worker process of an ``Engine``
+started here with ``vllm_args(gloo)``. They share one gloo pair group (``weightsync/collective.py``), set up
+through ``init_weight_transfer_engine`` exactly as the ``WeightReceiver`` does it. The engine keeps sampling
+requests in flight the whole time ("live").
+
+* push: per version, the snapshot's header and buckets go over the pair group while the worker receives them on
+  its prefetch thread (generation continues); then ``engine.swap`` loads them (``update_weights``) inside the
+  pause. push bytes/s = snapshot bytes / trainer-side send time (the worker posted its receive first).
+* raw: the same buffers broadcast over the same pair group into plain receives on the same worker thread that
+  prefetches pushes, also while generating (nothing decoded or loaded). A 1-byte broadcast first makes sure the
+  receiver is waiting, then the bulk is timed.
+* pause: ``Engine.swap`` milliseconds per version (pause_generation(keep) + load + resume) on the tiny model.
+  Every other tiny swap instead pauses the scheduler directly (``engine_core.pause_scheduler_async``), skipping
+  the fixed 20 ms sleep ``AsyncLLM.pause_generation`` adds after pausing; reported as
+  ``pause_ms_without_settle_sleep`` to size that change.
+
+Rounds alternate (push, raw, push, raw...) and medians are compared. Reported besides: load ms and the end-to-end
+ratio raw / (send + pause). Last line: ``{"bench": "weightsync", "bytes_per_s_vs_broadcast": X, "pause_ms": Y}``
+(goals: X >= 0.9, Y <= 50).
+
+Usage: ``python bench/weightsync.py [--swaps N] [--hidden H --layers L]`` (H/L size the throughput model; the
+pause is measured on the tiny model in the same engine run when --hidden is 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+
+
+def build_model(out: Path, hidden: int, layers: int) -> Path:
+    """The tiny model, or (hidden > 0) the same architecture widened: for bandwidth numbers above latency noise."""
+    from producers.tiny_model import MODEL_CONFIG, build_tiny_model
+
+    path = build_tiny_model(out, seed=0)
+    if hidden <= 0:
+        return path
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = max(1, hidden // 64)  # head_dim 64: a size vLLM's CPU attention supports
+    cfg = dict(MODEL_CONFIG, hidden_size=hidden, num_hidden_layers=layers, head_dim=64,
+               num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), intermediate_size=int(hidden * 2.75))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, torch_dtype="float32"))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+async def run(args: argparse.Namespace) -> dict:
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+
+    from producers.engine import Engine, Sampling
+    from weightsync import vllm_args
+    from weightsync.collective import Rendezvous, raw_broadcast, send_push, trainer_pair
+    from weightsync.config import WeightSyncConfig
+    from weightsync.wire import pack
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-ws-"))
+    model_dir = build_model(tmp / "model", args.hidden, args.layers)
+    base = load_file(str(model_dir / "model.safetensors"))
+    cfg = WeightSyncConfig(transport="gloo", timeout_s=60)
+    engine = Engine(str(model_dir), max_model_len=128, extra_args=vllm_args(cfg))
+    await engine.start()
+    llm = engine.llm
+    rdzv = Rendezvous(timeout_s=60)
+    pair = asyncio.ensure_future(asyncio.to_thread(trainer_pair, rdzv, "bench/1", timeout_s=60))
+    await llm.init_weight_transfer_engine(WeightTransferInitRequest(
+        init_info={"address": rdzv.address, "session": "bench/1", "timeout_s": 60.0}))
+    pg = await pair
+
+    stop = asyncio.Event()
+
+    async def keep_sampling(i: int) -> None:
+        sampling = Sampling(max_tokens=48, temperature=1.0)
+        k = 0
+        while not stop.is_set():
+            k += 1
+            await engine.generate([1, 5, 6, 7, 8, 9], 2, sampling, request_id=f"live-{i}-{k}")
+
+    load = [asyncio.ensure_future(keep_sampling(i)) for i in range(2)]
+    while engine.tokens_out < 16:
+        await asyncio.sleep(0.01)
+
+    push_s, raw_s, pauses, direct, loads, nbytes = [], [], [], [], [], 0
+    g = torch.Generator().manual_seed(0)
+    for v in range(1, args.swaps + 1):
+        named = [(k, t + 0.01 * torch.randn(t.shape, generator=g)) for k, t in base.items()]
+        snap = pack(named, version=v, step=v, bucket_bytes=cfg.bucket_bytes)
+        nbytes = snap.nbytes
+        # push: receiver posted first (prefetch), then the trainer sends; the engine keeps generating
+        await llm.collective_rpc("weightsync_prefetch", args=(v,))
+        await llm.start_weight_update()
+        await asyncio.sleep(0.01)
+        push_s.append(await asyncio.to_thread(send_push, pg, snap))
+        request = WeightTransferUpdateRequest(update_info={"version": v})
+
+        async def update(llm, request=request):
+            await llm.update_weights(request)
+
+        if v % 2 or not args.compare_direct:
+            pauses.append(await engine.swap(v, update, mode="keep"))
+        else:  # the same swap without AsyncLLM.pause_generation's fixed 20 ms settle sleep (informational)
+            t0 = time.perf_counter()
+            await llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
+            try:
+                await update(llm)
+                engine.version = v
+            finally:
+                await llm.resume_generation()
+            direct.append((time.perf_counter() - t0) * 1000)
+        await llm.finish_weight_update(weight_version=str(v))
+        stats = (await llm.collective_rpc("weightsync_stats"))[0]
+        assert int(stats["version"]) == v, stats
+        loads.append((stats["init_s"] + stats["load_s"] + stats["finalize_s"]) * 1000)
+        # raw: the same buffers over the same pair group, nothing loaded
+        sizes = [1] + [int(b.numel()) for b in snap.buffers if b.numel()]
+        await llm.collective_rpc("weightsync_raw_prefetch", args=(sizes,))
+
+        def raw() -> float:
+            raw_broadcast(pg, [torch.zeros(1, dtype=torch.uint8)])  # the receiver is waiting once this is through
+            return raw_broadcast(pg, [b for b in snap.buffers if b.numel()])
+
+        raw_s.append(await asyncio.to_thread(raw))
+        await llm.collective_rpc("weightsync_raw_wait")
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*load, return_exceptions=True), 60)
+    await engine.stop()
+
+    push, rawm, pause = statistics.median(push_s), statistics.median(raw_s), statistics.median(pauses)
+    return {
+        "model_bytes": nbytes, "swaps": args.swaps,
+        "push_MBps": nbytes / push / 1e6, "raw_MBps": nbytes / rawm / 1e6,
+        "bytes_per_s_vs_broadcast": rawm / push, "pause_ms": pause, "pause_ms_max": max(pauses),
+        "pause_ms_without_settle_sleep": statistics.median(direct) if direct else None,
+        "load_ms": statistics.median(loads), "e2e_vs_broadcast": rawm / (push + pause / 1000),
+        "tokens_generated": engine.tokens_out,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--swaps", type=int, default=12)
+    ap.add_argument("--hidden", type=int, default=0, help="0 = the tiny model (hidden 128)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--throughput-hidden", type=int, default=1024,
+                    help="a second run on a wider model for the bandwidth ratio (0 = skip)")
+    args = ap.parse_args()
+    tiny = asyncio.run(run(argparse.Namespace(**{**vars(args), "compare_direct": True})))
+    print(json.dumps({"run": "tiny", **tiny}), flush=True)
+    result = {"bench": "weightsync", "pause_ms": round(tiny["pause_ms"], 2),
+              "bytes_per_s_vs_broadcast": round(tiny["bytes_per_s_vs_broadcast"], 3)}
+    if args.throughput_hidden and args.hidden <= 0:
+        wide = asyncio.run(run(argparse.Namespace(swaps=args.swaps, hidden=args.throughput_hidden,
+                                                  layers=args.layers, compare_direct=False)))
+        print(json.dumps({"run": f"hidden{args.throughput_hidden}", **wide}), flush=True)
+        result["bytes_per_s_vs_broadcast"] = round(wide["bytes_per_s_vs_broadcast"], 3)
+        result["model_mb"] = round(wide["model_bytes"] / 1e6, 1)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Pair groups over real torch.distributed gloo between two processes: exact pushes and bounded failures."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from topics.errors import TimeoutExpired
+from weightsync.collective import Rendezvous, TransferFailed, generator_pair, recv_push, send_push, trainer_pair
+from weightsync.wire import pack
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [("model.embed_tokens.weight", torch.randn(64, 128, generator=g)),
+            ("model.layers.0.mlp.up_proj.weight", torch.randn(352, 128, generator=g).to(torch.bfloat16)),
+            ("model.norm.weight", torch.randn(128, generator=g))]
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _generator(address: str, session: str, mode: str, out: mp.Queue) -> None:
+    try:
+        group = generator_pair(address, session, timeout_s=5)
+        if mode == "die":
+            out.put("connected")
+            time.sleep(60)  # killed by the parent while the trainer sends
+        for _ in range(2):
+            snap = recv_push(group)
+            out.put((snap.version, [(n, str(t.dtype), tuple(t.shape), _raw(t)) for n, t in snap.tensors()]))
+    except Exception as exc:  # reported to the parent
+        out.put(f"error: {type(exc).__name__}: {exc}")
+
+
+def _spawn(address: str, session: str, mode: str):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_generator, args=(address, session, mode, out), daemon=True)
+    proc.start()
+    return proc, out
+
+
+def test_pushes_arrive_bit_exact_in_order():
+    rdzv = Rendezvous(timeout_s=30)
+    proc, out = _spawn(rdzv.address, "g1/1", "ok")
+    try:
+        group = trainer_pair(rdzv, "g1/1", timeout_s=30)
+        for v in (1, 2):
+            send_push(group, pack(_named(v), version=v, step=v, bucket_bytes=40_000))
+        for v in (1, 2):
+            version, tensors = out.get(timeout=30)
+            assert version == v
+            for (n, a), (m, dtype, shape, raw) in zip(_named(v), tensors, strict=True):
+                assert (n, str(a.dtype), tuple(a.shape)) == (m, dtype, shape)
+                assert _raw(a) == raw
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_a_peer_killed_mid_push_fails_the_send_fast():
+    rdzv = Rendezvous(timeout_s=30)
+    proc, out = _spawn(rdzv.address, "g2/1", "die")
+    try:
+        group = trainer_pair(rdzv, "g2/1", timeout_s=10)
+        assert out.get(timeout=30) == "connected"
+        big = [("w", torch.zeros(64 * 1024 * 1024 // 4))]  # 64 MiB: larger than the socket buffers
+        os.kill(proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises((TransferFailed, TimeoutExpired)):
+            send_push(group, pack(big, version=1, step=1, bucket_bytes=8 << 20))
+        assert time.monotonic() - t0 < 10.5  # bounded by the group's timeout, usually immediate
+    finally:
+        proc.join(10)
+
+
+def test_a_generator_that_never_comes_is_a_bounded_rendezvous_failure():
+    rdzv = Rendezvous(timeout_s=2)
+    t0 = time.monotonic()
+    with pytest.raises(TransferFailed):
+        trainer_pair(rdzv, "nobody/1", timeout_s=2)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(TransferFailed):
+        generator_pair(f"127.0.0.1:{_free_port()}", "x/1", timeout_s=2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
