@@ -234,6 +234,12 @@ class TrainerRole(Service):
                 for rec in records:
                     self.source.advance(rec)
                 continue
+            problem = self._unusable(batch)
+            if problem:
+                for rec in records:
+                    await self.source.dead_letters.send(rec, reason="invalid", detail=problem)
+                    self.source.advance(rec)
+                continue
             self._idle.clear()
             try:
                 # the step span continues the batch's trace (the buffer's context travels in the record headers)
@@ -244,6 +250,18 @@ class TrainerRole(Service):
             finally:
                 self._idle.set()
         await asyncio.Event().wait()
+
+    def _unusable(self, batch: Batch) -> str:
+        """Why a decoded batch cannot be trained (it goes to the dead-letter topic), or ''."""
+        from consumers.step import trim_width
+
+        if not batch.episode_ids or not batch.loss_mask.any():
+            return f"batch {batch.batch_id} has no response tokens"
+        if trim_width(batch) > self.config.model.max_seq_len:
+            return f"batch {batch.batch_id}: {trim_width(batch)} tokens > model.max_seq_len {self.config.model.max_seq_len}"
+        if int(batch.input_ids.max()) >= self.engine.policy.vocab_size or int(batch.input_ids.min()) < 0:
+            return f"batch {batch.batch_id} has token ids outside the vocabulary"
+        return ""
 
     def _done_reason(self) -> str:
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:

@@ -80,7 +80,8 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     batches = [make_batch(i) for i in range(3)]
     # a redelivered batch and a malformed record between the good ones
     await produce(cfg, cfg.names.batches, [batches[0], batches[0], batches[1]], raw=[b"\x93not a batch"])
-    await produce(cfg, cfg.names.batches, [batches[2], make_batch(99)])
+    too_long = make_batch(98, t=cfg.model.max_seq_len + 1)
+    await produce(cfg, cfg.names.batches, [too_long, batches[2], make_batch(99)])
 
     role = TrainerRole(cfg)
     await asyncio.wait_for(role.serve(), 150)
@@ -114,8 +115,8 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     AutoModelForCausalLM.from_pretrained(cfg.run_dir / "hf")
 
     letters = await read_topic(cfg.kafka, cfg.names.dead_letter, expect=DeadLetter)
-    assert len(letters) == 1 and letters[0].value.reason in ("malformed", "unknown_schema")
-    assert letters[0].value.source == cfg.names.batches
+    assert [x.value.reason for x in letters] == ["malformed", "invalid"]  # garbage, then the too-long batch
+    assert all(x.value.source == cfg.names.batches for x in letters) and "max_seq_len" in letters[1].value.detail
 
 
 @pytest.mark.timeout(180)
