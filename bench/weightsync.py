@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-import torch  # noqa: E402
+import torch
 
 
 def build_model(out: Path, hidden: int, layers: int) -> Path:
@@ -131,7 +131,7 @@ async def run(args: argparse.Namespace) -> dict:
         sizes = [1] + [int(b.numel()) for b in snap.buffers if b.numel()]
         await llm.collective_rpc("weightsync_raw_prefetch", args=(sizes,))
 
-        def raw() -> float:
+        def raw(snap=snap) -> float:
             raw_broadcast(pg, [torch.zeros(1, dtype=torch.uint8)])  # the receiver is waiting once this is through
             return raw_broadcast(pg, [b for b in snap.buffers if b.numel()])
 

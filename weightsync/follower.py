@@ -10,7 +10,6 @@ the same way.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket

@@ -77,8 +77,7 @@ class Registry:
             m.session = self.session_of(msg)
             m.joined_at = now
             m.host, m.pid = msg.host, msg.pid
-        if msg.version > m.acked_version:
-            m.acked_version = msg.version
+        m.acked_version = max(m.acked_version, msg.version)
         m.last_seen = now
         return m
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import orjson
 import torch
@@ -146,12 +146,12 @@ class WeightPublisher:
         if self._round is not None and not self._round.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self._round), self.cfg.ack_deadline_s + 1)
-            except (asyncio.TimeoutError, Exception):
+            except Exception:  # noqa: BLE001 - stopping: a failed or slow last round must not block it
                 self._round.cancel()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
-            except Exception:  # connection already closed
+            except Exception:  # noqa: BLE001, S110 - the connection may already be closed at shutdown
                 pass
         for task in list(self._bg):
             task.cancel()
@@ -163,7 +163,7 @@ class WeightPublisher:
         if self._rdzv is not None:
             self._rdzv.close()
 
-    async def __aenter__(self) -> WeightPublisher:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -242,7 +242,7 @@ class WeightPublisher:
             fut.add_done_callback(lambda f, gid=gid: self._on_push_done(gid, version, f))
         try:
             await asyncio.wait_for(self._acks_done.wait(), self.cfg.ack_deadline_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             late = sorted(self._waiting)
             log.warning("version %d: no ack within %.1f s from %s: fencing", version, self.cfg.ack_deadline_s, late)
             self.counters["ack_timeouts"] += len(late)
@@ -299,7 +299,7 @@ class WeightPublisher:
     async def _on_membership(self, msg: Any) -> None:
         try:
             mem = codec.decode(msg.data, expect=Membership)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad message is counted, never fatal
             log.warning("bad membership message: %s", exc)
             self.counters["bad_messages"] += 1
             return
@@ -345,7 +345,7 @@ class WeightPublisher:
     async def _on_ack(self, msg: Any) -> None:
         try:
             ack = codec.decode(msg.data, expect=VersionAck)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a bad message is counted, never fatal
             log.warning("bad ack message: %s", exc)
             self.counters["bad_messages"] += 1
             return
@@ -378,7 +378,7 @@ class WeightPublisher:
     async def _write_fenced(self) -> None:
         try:
             await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.cfg.timeout_s)
-        except Exception as exc:  # never fail a round on the bookkeeping write; it is retried next round
+        except Exception as exc:  # noqa: BLE001 - never fail a round on the bookkeeping write; it is retried next round
             self.counters["kv_failures"] += 1
             log.warning("could not write the fencing record: %s", exc)
 

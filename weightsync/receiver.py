@@ -32,7 +32,7 @@ import os
 import socket
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Self
 
 import nats.errors
 
@@ -85,10 +85,10 @@ class WeightReceiver:
         self._stopped = True
         try:
             await self._announce("leave")
-        except Exception as exc:  # the broker may already be gone at shutdown
+        except Exception as exc:  # noqa: BLE001 - the broker may already be gone at shutdown
             log.warning("could not announce leave: %s", exc)
 
-    async def __aenter__(self) -> WeightReceiver:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -116,7 +116,7 @@ class WeightReceiver:
             await asyncio.sleep(self.cfg.heartbeat_s)
             try:
                 await self._announce("heartbeat")
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - a missed beat is counted, never fatal
                 self.counters["heartbeat_failures"] += 1
                 log.warning("heartbeat failed: %s", exc)
 
@@ -155,7 +155,7 @@ class WeightReceiver:
             try:
                 await self._sync_once(pv)
                 return True
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure is retried once, then acked as failed
                 self.counters["load_failures"] += 1
                 log.warning("version %d: attempt %d failed: %s: %s", pv.version, attempt, type(exc).__name__, exc)
                 self._address = ""
@@ -190,7 +190,7 @@ class WeightReceiver:
         """Whether the trainer fenced this generator (then it re-joins to get a fresh pair and the latest push)."""
         try:
             data = await asyncio.wait_for(self.store.get(FENCED_KEY), self.cfg.timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - unknown fencing state: carry on with the current pair
             log.warning("could not read the fencing record: %s", exc)
             return False
         return self.generator_id in parse_fenced(data)
@@ -240,7 +240,7 @@ class WeightReceiver:
     async def _rpc(self, coro: Any, what: str, *, factor: float = 1.0) -> Any:
         try:
             return await asyncio.wait_for(coro, self.cfg.timeout_s * factor)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.counters["rpc_timeouts"] += 1
             raise TimeoutExpired(f"engine call {what} took longer than {self.cfg.timeout_s * factor:.1f} s") from None
 
@@ -250,6 +250,6 @@ class WeightReceiver:
                          transfer_ms=transfer_ms, error=error[:500])
         try:
             await asyncio.wait_for(publish_msg(self.nc, self.names.ack_subject, ack), self.cfg.timeout_s)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a lost ack is counted; the trainer fences on its deadline
             self.counters["ack_failures"] += 1
             log.warning("could not ack version %d: %s", version, exc)

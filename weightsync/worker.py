@@ -24,7 +24,7 @@ class WeightSyncWorkerExtension:
     def _weightsync_engine(self) -> vllm_engine.GlooWeightTransferEngine:
         engine = getattr(self, "weight_transfer_engine", None)
         if not isinstance(engine, vllm_engine.GlooWeightTransferEngine):
-            raise RuntimeError("weight_transfer_config does not select the gloo engine")
+            raise TypeError("weight_transfer_config does not select the gloo engine")
         return engine
 
     def weightsync_prefetch(self, version: int) -> None:

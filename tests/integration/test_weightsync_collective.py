@@ -37,7 +37,7 @@ def _generator(address: str, session: str, mode: str, out: mp.Queue) -> None:
         for _ in range(2):
             snap = recv_push(group)
             out.put((snap.version, [(n, str(t.dtype), tuple(t.shape), _raw(t)) for n, t in snap.tensors()]))
-    except Exception as exc:  # reported to the parent
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
         out.put(f"error: {type(exc).__name__}: {exc}")
 
 

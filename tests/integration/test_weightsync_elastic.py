@@ -61,7 +61,7 @@ async def test_join_mid_run_sigkill_during_transfer_and_leave(run_config, tiny_d
     ws_args = [f"--weightsync.{k}={getattr(cfg, k)}" for k in
                ("transport", "timeout_s", "ack_deadline_s", "heartbeat_s", "member_timeout_s", "join_timeout_s")]
     base = load_file(str(tiny_dir / "model.safetensors"))
-    log = open(tmp_path / "g1.log", "wb")
+    log = open(tmp_path / "g1.log", "wb")  # noqa: SIM115, ASYNC230 - the child's stdout, closed in finally
     g1 = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "weightsync.follower", "--load", f"--nats.url={run_config.nats.url}",
         f"--run.prefix={run_config.run.prefix}", f"--run.run_dir={tmp_path / 'g1'}", f"--model.path={tiny_dir}",
