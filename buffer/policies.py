@@ -28,6 +28,7 @@ same episodes always give the same id whatever their order.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -53,38 +54,41 @@ class Reason:
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
 
 
-def shape_rewards(rewards: Sequence[float] | np.ndarray, *, scale: float = 1.0, clip: float = 0.0) -> np.ndarray:
-    """``clip(scale * r, -clip, clip)`` as float64 (``clip <= 0`` means no clipping)."""
-    r = np.asarray(rewards, dtype=np.float64) * scale
+def shape_rewards(rewards: Sequence[float] | np.ndarray, *, scale: float = 1.0, clip: float = 0.0) -> list[float]:
+    """``clip(scale * r, -clip, clip)`` (``clip <= 0`` means no clipping)."""
+    r = [float(x) * scale for x in rewards]
     if clip > 0:
-        r = np.clip(r, -clip, clip)
+        r = [min(max(x, -clip), clip) for x in r]
     return r
 
 
 def group_advantages(rewards: Sequence[float] | np.ndarray, method: str = "grpo", *, eps: float = 1e-4) -> np.ndarray:
-    """Per-episode advantages of one group (formulas in the module docstring), as float32."""
-    r = np.asarray(rewards, dtype=np.float64)
+    """Per-episode advantages of one group (formulas in the module docstring), as float32.
+
+    Plain Python arithmetic: groups are small, and numpy's per-call overhead dominated the buffer's profile.
+    """
+    if method not in ADVANTAGES:
+        raise ValueError(f"unknown advantage {method!r} (expected one of {ADVANTAGES})")
+    r = [float(x) for x in rewards]
     n = len(r)
-    if n == 0:
-        return np.zeros(0, dtype=np.float32)
-    if n == 1:
-        return np.zeros(1, dtype=np.float32)
-    centred = r - r.mean()
+    if n < 2:
+        return np.zeros(n, dtype=np.float32)
+    mean = math.fsum(r) / n
+    centred = [x - mean for x in r]
     if method == "grpo":
-        adv = centred / (r.std(ddof=1) + eps)
+        std = math.sqrt(math.fsum(c * c for c in centred) / (n - 1))
+        adv = [c / (std + eps) for c in centred]
     elif method == "dr_grpo":
         adv = centred
-    elif method == "rloo":
-        adv = centred * (n / (n - 1))
-    else:
-        raise ValueError(f"unknown advantage {method!r} (expected one of {ADVANTAGES})")
-    return adv.astype(np.float32)
+    else:  # rloo
+        adv = [c * (n / (n - 1)) for c in centred]
+    return np.asarray(adv, dtype=np.float32)
 
 
 def is_zero_variance(rewards: Sequence[float] | np.ndarray, *, tol: float = 1e-9) -> bool:
     """True when fewer than two rewards, or all equal within ``tol``: the group has no learning signal."""
-    r = np.asarray(rewards, dtype=np.float64)
-    return len(r) < 2 or float(r.max() - r.min()) <= tol
+    r = [float(x) for x in rewards]
+    return len(r) < 2 or max(r) - min(r) <= tol
 
 
 def is_stale(ep: Episode, latest_version: int | None, max_policy_lag: int) -> bool:
