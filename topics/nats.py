@@ -142,7 +142,12 @@ class PolicyStore:
         return codec.decode(entry.value, expect=PolicyVersion), entry.revision
 
     async def publish(self, pv: PolicyVersion, *, expected_revision: int) -> int:
-        """Write ``pv`` if the bucket is still at ``expected_revision``; announce it; return the new revision."""
+        """Write ``pv`` if the bucket is still at ``expected_revision``; announce it; return the new revision.
+
+        The current trace context is stored in ``pv.trace_context`` (unless set), so a generator's swap to this
+        version can link its span to the trainer's publication even when it learns of it from the KV watch."""
+        if not pv.trace_context:
+            pv.trace_context = nats_headers()
         data = codec.encode(pv)
         try:
             if expected_revision == 0:

@@ -152,6 +152,7 @@ class PolicyVersion:
     address: str = ""  # host:port of the trainer's weight-transfer rendezvous, for collective transports
     trainer_id: str = ""
     batch_ids: list[str] = field(default_factory=list)  # provenance: the batches trained into this version
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent of the span that published it
     created_at: float = field(default_factory=_now)
 
 

@@ -50,3 +50,8 @@ def link_to(ctx: otel_context.Context) -> Link | None:
     """A span link to the span carried by ``ctx`` (for spans that join many inputs), or None if it has none."""
     span_ctx = get_current_span(ctx).get_span_context()
     return Link(span_ctx) if span_ctx.is_valid else None
+
+
+def context_of_version(pv: object) -> otel_context.Context:
+    """The trace context a PolicyVersion was published in (empty context if none was recorded)."""
+    return propagate.extract(dict(getattr(pv, "trace_context", None) or {}))
