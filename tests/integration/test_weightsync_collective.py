@@ -30,7 +30,7 @@ def _raw(t: torch.Tensor) -> bytes:
 
 def _generator(address: str, session: str, mode: str, out: mp.Queue) -> None:
     try:
-        group = generator_pair(address, session, timeout_s=5)
+        group = generator_pair(address, session, timeout_s=60)
         if mode == "die":
             out.put("connected")
             time.sleep(60)  # killed by the parent while the trainer sends
@@ -50,10 +50,10 @@ def _spawn(address: str, session: str, mode: str):
 
 
 def test_pushes_arrive_bit_exact_in_order():
-    rdzv = Rendezvous(timeout_s=30)
+    rdzv = Rendezvous(timeout_s=60)
     proc, out = _spawn(rdzv.address, "g1/1", "ok")
     try:
-        group = trainer_pair(rdzv, "g1/1", timeout_s=30)
+        group = trainer_pair(rdzv, "g1/1", timeout_s=60)
         for v in (1, 2):
             send_push(group, pack(_named(v), version=v, step=v, bucket_bytes=40_000))
         for v in (1, 2):
@@ -69,17 +69,17 @@ def test_pushes_arrive_bit_exact_in_order():
 
 
 def test_a_peer_killed_mid_push_fails_the_send_fast():
-    rdzv = Rendezvous(timeout_s=30)
+    rdzv = Rendezvous(timeout_s=60)
     proc, out = _spawn(rdzv.address, "g2/1", "die")
     try:
-        group = trainer_pair(rdzv, "g2/1", timeout_s=10)
+        group = trainer_pair(rdzv, "g2/1", timeout_s=60)  # generous: the child imports torch on a busy machine
         assert out.get(timeout=30) == "connected"
         big = [("w", torch.zeros(64 * 1024 * 1024 // 4))]  # 64 MiB: larger than the socket buffers
         os.kill(proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises((TransferFailed, TimeoutExpired)):
             send_push(group, pack(big, version=1, step=1, bucket_bytes=8 << 20))
-        assert time.monotonic() - t0 < 10.5  # bounded by the group's timeout, usually immediate
+        assert time.monotonic() - t0 < 5  # a closed peer fails the send at once (the group timeout bounds the rest)
     finally:
         proc.join(10)
 
