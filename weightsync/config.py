@@ -12,9 +12,9 @@ class WeightSyncConfig:
     """How new weights reach the generators.
 
     ``transport``: ``gloo`` pushes over a 2-rank torch.distributed gloo group per generator (CPU, any host);
-    ``nccl`` is the GPU choice (today it rides the same per-generator groups over host memory, see
-    weightsync/README in the module docstring of ``weightsync/__init__.py``); ``file`` writes safetensors to
-    ``shared_dir`` and generators ``reload_weights`` from there; ``auto`` = nccl with CUDA, else gloo.
+    ``nccl`` is the GPU choice (today it rides the same per-generator gloo groups through host memory: correct but
+    not GPU-direct, see ``weightsync/__init__.py``); ``file`` writes safetensors to ``shared_dir`` and generators
+    ``reload_weights`` from there; ``auto`` = nccl with CUDA, else gloo.
     """
 
     transport: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "gloo" | "file"
