@@ -128,3 +128,10 @@ class Registry:
 def parse_fenced(data: bytes | None) -> dict[str, int]:
     """The buffer's view of the fencing record: ``{generator_id: last_acked_version}``."""
     return {gid: int(v["last_acked_version"]) for gid, v in (orjson.loads(data) if data else {}).items()}
+
+
+def drop_for_fence(fenced: dict[str, int], generator_id: str, max_version: int) -> bool:
+    """The buffer's rule: drop (reason ``fenced``) an episode of a fenced generator sampled with any version newer
+    than the last one the trainer saw that generator acknowledge."""
+    last = fenced.get(generator_id)
+    return last is not None and max_version > last

@@ -13,6 +13,7 @@ from topics import codec
 from topics.nats import PolicyStore, connect, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
 from weightsync.config import WeightSyncConfig
+from weightsync.fencing import FenceView
 from weightsync.files import read_version
 from weightsync.members import FENCED_KEY, parse_fenced
 from weightsync.publisher import VersionRegression, WeightPublisher
@@ -54,6 +55,9 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             await gen.flush()
             await _until(lambda: set(pub.members()) == {"live", "silent"})
 
+            view = FenceView(gen, names)
+            await view.start()
+            follow = asyncio.create_task(view.loop())
             t0 = time.monotonic()
             w1 = _weights(1)
             pv = await pub.publish(version=1, step=10, named_tensors=lambda: iter(w1), batch_ids=["b1", "b2"])
@@ -70,6 +74,8 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             assert parse_fenced(await store.get(FENCED_KEY)) == {"silent": -1}
             assert pub.counters["ack_timeouts"] == 1 and pub.counters["fenced"] == 1
             assert acks == [1]
+            await _until(lambda: view.fenced == {"silent": -1})  # what the buffer sees
+            assert view.should_drop("silent", 1) and not view.should_drop("live", 1)
 
             # the silent generator catches up: unfenced, and the next round does not wait on anyone
             await publish_msg(gen, names.ack_subject, VersionAck(generator_id="silent", version=1))
@@ -79,6 +85,9 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
                     break
                 await asyncio.sleep(0.05)
             assert parse_fenced(await store.get(FENCED_KEY)) == {}
+            await _until(lambda: view.fenced == {})
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
             await publish_msg(gen, names.membership_subject, Membership(generator_id="silent", event="leave"))
             await gen.flush()
             await _until(lambda: set(pub.members()) == {"live"})

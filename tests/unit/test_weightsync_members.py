@@ -8,7 +8,7 @@ from topics.errors import ConfigError
 from topics.schemas import Membership, VersionAck
 from weightsync import vllm_args
 from weightsync.config import WeightSyncConfig
-from weightsync.members import Registry, parse_fenced
+from weightsync.members import Registry, drop_for_fence, parse_fenced
 
 
 def _m(gid, event, version=-1, pid=1, at=100.0):
@@ -69,3 +69,10 @@ def test_config_validation_and_vllm_args():
     assert args["weight_transfer_config"] == {"backend": "gloo"}
     assert args["worker_extension_cls"] == "weightsync.worker.WeightSyncWorkerExtension"
     assert "weight_transfer_config" not in vllm_args(WeightSyncConfig(transport="file"))
+
+
+def test_buffer_drop_rule_for_fenced_generators():
+    fenced = {"g1": 4}
+    assert drop_for_fence(fenced, "g1", 5)  # sampled with a version it never acknowledged
+    assert not drop_for_fence(fenced, "g1", 4)
+    assert not drop_for_fence(fenced, "g2", 9)  # not fenced
