@@ -1,5 +1,7 @@
 """The replay buffer's state machine, without any broker or clock of its own (time is passed in).
 
+Time (``now``) is whatever monotonic clock the caller uses; it must never go back between calls.
+
 An episode record moves through these states::
 
     received --add--> PENDING (in its group) --n distinct episodes--> COMPLETE --take_decisions--> verdict
@@ -297,8 +299,13 @@ class BufferState:
         )
 
     def _expire(self, now: float) -> None:
-        expired = sorted((g for g in self.groups.values() if not g.complete
-                          and now - g.first_seen >= self.cfg.group_timeout_s), key=lambda g: g.first_seen)
+        # ``groups`` is in creation order, i.e. by ``first_seen`` (time never goes back): stop at the first young one
+        expired = []
+        for g in self.groups.values():
+            if now - g.first_seen < self.cfg.group_timeout_s:
+                break
+            if not g.complete:
+                expired.append(g)
         for group in expired:
             if not group.members:  # only replays of decided episodes: nothing left to decide
                 del self.groups[group.group_id]
