@@ -14,6 +14,8 @@ Reward shaping before the advantage: ``r' = clip(scale * r, -clip, clip)`` (no c
 Filters (each counted by its reason, see ``Reason``):
 
 * ``stale``: an episode whose oldest token version is older than ``latest - max_policy_lag``;
+* ``fenced``: an episode of a generator the trainer fenced, sampled with a version newer than the last one that
+  generator acknowledged (the rule is ``weightsync.members.drop_for_fence``; the record is the KV key ``fenced``);
 * ``overlong``: more than ``max_response_tokens`` response tokens, or (``filter_truncated``) finished by length;
 * ``zero_variance``: a group whose kept episodes all have the same shaped reward (DAPO dynamic sampling), which
   includes a group left with fewer than two episodes: it carries no learning signal for any advantage above.
@@ -29,18 +31,20 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from topics.schemas import Batch, Episode
+from weightsync.members import drop_for_fence
 
 
 class Reason:
     """Every reason an episode can leave the buffer without a batch (the keys of ``dropped`` in the audit)."""
 
     STALE = "stale"
+    FENCED = "fenced"  # sampled by a fenced generator with weights the trainer never saw it adopt
     ZERO_VARIANCE = "zero_variance"
     OVERLONG = "overlong"
     DUPLICATE = "duplicate"  # a second record of an episode held or decided by this buffer
@@ -48,7 +52,7 @@ class Reason:
     LATE = "late"  # it arrived after its group had been decided
     MALFORMED = "malformed"  # undecodable or invalid: dead-lettered, not a DropRecord
 
-    ALL = (STALE, ZERO_VARIANCE, OVERLONG, DUPLICATE, INCOMPLETE, LATE, MALFORMED)
+    ALL = (STALE, FENCED, ZERO_VARIANCE, OVERLONG, DUPLICATE, INCOMPLETE, LATE, MALFORMED)
 
 
 ADVANTAGES = ("grpo", "dr_grpo", "rloo")
@@ -94,6 +98,15 @@ def is_zero_variance(rewards: Sequence[float] | np.ndarray, *, tol: float = 1e-9
 def is_stale(ep: Episode, latest_version: int | None, max_policy_lag: int) -> bool:
     """True when the episode's oldest token version is below ``latest - max_policy_lag`` (no latest: never)."""
     return latest_version is not None and ep.min_version < latest_version - max_policy_lag
+
+
+def is_fenced(ep: Episode, fenced: Mapping[str, int] | None) -> bool:
+    """True when ``ep``'s generator is fenced and a token was sampled with a version newer than the last one
+    that generator acknowledged (``fenced`` maps generator id -> last acknowledged version)."""
+    if not fenced or ep.generator_id not in fenced:
+        return False
+    newest = int(ep.token_versions.max()) if len(ep.token_versions) else ep.policy_version
+    return drop_for_fence(dict(fenced), ep.generator_id, newest)
 
 
 def is_overlong(ep: Episode, max_response_tokens: int = 0, *, filter_truncated: bool = False) -> bool:
@@ -152,8 +165,9 @@ def score_group(
     reward_scale: float = 1.0,
     reward_clip: float = 0.0,
     partition: int = -1,
+    fenced: Mapping[str, int] | None = None,
 ) -> GroupVerdict:
-    """Apply the episode filters (overlong first, then stale), the group filter, and compute advantages.
+    """Apply the episode filters (overlong, then fenced, then stale), the group filter, and compute advantages.
 
     Episodes are sorted by ``episode_id`` first so the result does not depend on arrival order.
     """
@@ -162,6 +176,8 @@ def score_group(
     for ep in sorted(episodes, key=lambda e: e.episode_id):
         if is_overlong(ep, max_response_tokens, filter_truncated=filter_truncated):
             dropped.setdefault(Reason.OVERLONG, []).append(ep.episode_id)
+        elif is_fenced(ep, fenced):
+            dropped.setdefault(Reason.FENCED, []).append(ep.episode_id)
         elif is_stale(ep, latest_version, max_policy_lag):
             dropped.setdefault(Reason.STALE, []).append(ep.episode_id)
         else:

@@ -4,7 +4,8 @@ It consumes the ``episodes`` topic in the buffers' consumer group (several buffe
 episodes are keyed by group_id so a group is whole in one partition), runs the state machine of
 ``buffer/state.py``, publishes ``Batch`` records (key = batch_id) to ``batches`` and ``DropRecord`` records (key =
 group_id) to ``drops``, dead-letters undecodable or invalid records, and watches the latest ``PolicyVersion`` in
-the NATS KV store for the staleness filter.
+the NATS KV store for the staleness filter and the fencing record (``weightsync/fencing.py``) for the fenced
+filter.
 
 Delivery and crash safety:
 
@@ -63,6 +64,7 @@ from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartiti
 from topics.nats import PolicyStore, connect
 from topics.schemas import DropRecord, Episode
 from topics.tracing import context_from_kafka, link_to
+from weightsync.fencing import FenceView
 
 try:
     from streamforge.metrics import flush_metrics, record_metric
@@ -124,6 +126,7 @@ class BufferRole(Service):
         self.consumer: Consumer | None = None
         self.store: PolicyStore | None = None
         self.dead: DeadLetters | None = None
+        self.fence: FenceView | None = None
         self._nc: Any = None
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -137,6 +140,8 @@ class BufferRole(Service):
         self.store = PolicyStore(self._nc, self.names, history=self.config.nats.kv_history,
                                  timeout_s=self.config.nats.request_timeout_s)
         await self.store.start()
+        self.fence = FenceView(self._nc, self.names)
+        await self.fence.start()
         pv, _ = await self.store.latest()
         self.latest_version = pv.version if pv is not None else None
         self.trained_steps = pv.step if pv is not None else 0
@@ -162,7 +167,8 @@ class BufferRole(Service):
         self._report(force=True)
 
     def loops(self) -> dict[str, Any]:
-        return {"consume": self._consume_loop(), "policy": self._policy_loop()}
+        assert self.fence is not None
+        return {"consume": self._consume_loop(), "policy": self._policy_loop(), "fence": self._fence_loop()}
 
     async def drain(self) -> None:
         """Stop taking episodes, publish what can be published (partial batches too), commit."""
@@ -221,6 +227,13 @@ class BufferRole(Service):
             self.trained_steps = max(self.trained_steps, pv.step)
         raise RuntimeError("the policy-version watch ended")
 
+    async def _fence_loop(self) -> None:
+        """Follows the fencing record (KV key ``fenced``, written by the trainer's weight publisher) for the
+        ``fenced`` filter. Waits on the KV watch only; runs until cancelled."""
+        assert self.fence is not None
+        await self.fence.loop()
+        raise RuntimeError("the fencing watch ended")
+
     # -- one iteration ------------------------------------------------------------------------
     async def _handle(self, records: list[Received], epoch: int) -> None:
         assert self.consumer is not None and self.dead is not None
@@ -251,7 +264,8 @@ class BufferRole(Service):
         if self.cfg.max_batches_ahead > 0:
             room = max(0, self.cfg.max_batches_ahead - self.batches_ahead())
         decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version,
-                                              final=final, max_batches=room)
+                                              final=final, max_batches=room,
+                                              fenced=self.fence.fenced if self.fence is not None else None)
         if decisions:
             await self._publish(decisions)
 

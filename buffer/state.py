@@ -20,16 +20,18 @@ Rules:
    counting its already-decided ones. A group with no live episode left is forgotten without a decision.
 4. A PENDING group older than ``group_timeout_s`` (since its first episode) is, by ``incomplete_policy``, dropped
    as ``incomplete`` or completed with what arrived.
-5. A COMPLETE group is scored when decisions are taken, with the latest policy version known then
-   (``buffer/policies.py``: overlong and stale episodes dropped, a zero-variance remainder dropped, advantages).
+5. A COMPLETE group is scored when decisions are taken, with the latest policy version and fencing record known
+   then (``buffer/policies.py``: overlong, fenced and stale episodes dropped, a zero-variance remainder dropped,
+   advantages).
 6. Scored groups accumulate per partition in completion order; ``plan_batches`` cuts full batches from them. A
    partial batch is published once its oldest group waited ``max_batch_wait_s``, or on ``final`` (drain).
    A batch holds groups of one partition only, so replaying a partition re-forms the same batches whenever the
    same groups complete in the same order (see ``buffer/service.py`` for crash recovery).
 7. The trainer may be behind: ``take_decisions(max_batches=k)`` cuts at most ``k`` batches; the other scored
    groups wait (held, so the cap of rule 9 eventually stops consumption) and are checked again whenever the
-   latest policy version moves: episodes that became stale meanwhile are dropped as ``stale``, and the rest of
-   their group re-scored (zero-variance remainder dropped, advantages recomputed).
+   latest policy version or the fencing record changes: episodes that became stale (or fenced) meanwhile are
+   dropped with that reason, and the rest of their group re-scored (zero-variance remainder dropped, advantages
+   recomputed).
 8. Offsets: every record's offset is held from ``add`` until its decision is acknowledged (skipped records are
    released at once). ``committable()`` gives, per partition, the lowest held offset, or one past the highest
    offset seen when nothing is held: the next offset a restarted consumer must read so nothing is lost.
@@ -44,12 +46,12 @@ Held episodes are not in it: they are beyond the committed offset and come back 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from buffer.config import BufferConfig
-from buffer.policies import Reason, ScoredGroup, build_batch, is_stale, plan_batches, score_group
+from buffer.policies import Reason, ScoredGroup, build_batch, is_fenced, is_stale, plan_batches, score_group
 from topics.schemas import Batch, Episode
 
 BATCHED = "batched"
@@ -121,7 +123,8 @@ class BufferState:
         self._decided: OrderedDict[str, None] = OrderedDict()
         self._decided_groups: OrderedDict[str, str] = OrderedDict()  # group id -> "batched" or a drop reason
         self._held_ids: set[str] = set()
-        self._checked_version: int | None = None  # latest version the waiting groups were checked against
+        self._checked: tuple[int | None, dict[str, int]] = (None, {})  # what waiting groups were checked against
+        self._fenced: dict[str, int] = {}
         self.counters: dict[str, int] = {"received": 0, "batches": 0, "batched_episodes": 0, "already_decided": 0}
 
     # -- queries ------------------------------------------------------------------------------
@@ -206,20 +209,22 @@ class BufferState:
 
     # -- decisions ----------------------------------------------------------------------------
     def take_decisions(self, *, now: float, latest_version: int | None, final: bool = False,
-                       max_batches: int | None = None) -> list[Decision]:
+                       max_batches: int | None = None, fenced: Mapping[str, int] | None = None) -> list[Decision]:
         """Expire, score and batch (rules 4-7); every returned decision is IN FLIGHT until ``ack``.
 
         ``max_batches`` caps the batches cut now (the trainer is behind); groups then wait, scored, and are
-        checked for staleness again whenever the latest version moves.
+        checked for staleness again whenever the latest version moves. ``fenced`` maps fenced generator ids to
+        the last version they acknowledged (``policies.is_fenced``).
         """
+        self._fenced = dict(fenced or {})
         self._expire(now)
         for gid in self._complete_order:
             group = self.groups.pop(gid, None)
             if group is not None:
                 self._score(group, now, latest_version)
         self._complete_order.clear()
-        if latest_version != self._checked_version:
-            self._checked_version = latest_version
+        if (latest_version, self._fenced) != self._checked:
+            self._checked = (latest_version, dict(self._fenced))
             for part in self.parts.values():
                 self._recheck_stale(part, latest_version)
         budget = max_batches
@@ -329,7 +334,7 @@ class BufferState:
             max_policy_lag=c.max_policy_lag, max_response_tokens=c.max_response_tokens,
             filter_truncated=c.filter_truncated, filter_zero_variance=c.filter_zero_variance,
             advantage=c.advantage, advantage_eps=c.advantage_eps, reward_scale=c.reward_scale,
-            reward_clip=c.reward_clip, partition=group.partition,
+            reward_clip=c.reward_clip, partition=group.partition, fenced=self._fenced,
         )
         for reason, ids in verdict.dropped.items():
             detail = f"latest version {latest_version}" if reason == Reason.STALE else ""
@@ -344,18 +349,19 @@ class BufferState:
         part.ready_held[group.group_id] = [group.members[e] for e in verdict.kept.episode_ids]
 
     def _recheck_stale(self, part: _Partition, latest_version: int | None) -> None:
-        """Groups waiting for a batch are re-scored when episodes in them became stale (rule 7)."""
+        """Groups waiting for a batch are re-scored when episodes in them became stale or fenced (rule 7)."""
         c = self.cfg
         keep: list[ScoredGroup] = []
         for g in part.ready:
-            if not any(is_stale(e, latest_version, c.max_policy_lag) for e in g.episodes):
+            if not any(is_stale(e, latest_version, c.max_policy_lag) or is_fenced(e, self._fenced)
+                       for e in g.episodes):
                 keep.append(g)
                 continue
             members = {h.episode.episode_id: h for h in part.ready_held.pop(g.group_id)}
             verdict = score_group(
                 g.group_id, g.episodes, latest_version=latest_version, max_policy_lag=c.max_policy_lag,
                 filter_zero_variance=c.filter_zero_variance, advantage=c.advantage, advantage_eps=c.advantage_eps,
-                reward_scale=c.reward_scale, reward_clip=c.reward_clip, partition=g.partition,
+                reward_scale=c.reward_scale, reward_clip=c.reward_clip, partition=g.partition, fenced=self._fenced,
             )
             for reason, ids in verdict.dropped.items():
                 detail = f"latest version {latest_version} (while waiting for the trainer)"

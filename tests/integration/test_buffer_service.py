@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 import numpy as np
+import orjson
 import pytest
 
 from buffer.audit import run_audit
@@ -16,6 +17,7 @@ from topics.admin import read_topic
 from topics.kafka import Consumer, Producer, TopicPartition
 from topics.nats import PolicyStore, connect
 from topics.schemas import Batch, DropRecord, PolicyVersion
+from weightsync.members import FENCED_KEY
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -186,3 +188,30 @@ async def test_stalled_trainer_holds_groups_then_stale_ones_are_dropped(run_conf
         stop.set()
         await asyncio.wait_for(task, 30)
         await nc.close()
+
+
+async def test_fenced_generator_episodes_are_dropped(run_config):
+    cfg = with_buffer(run_config, groups_per_batch=1, max_policy_lag=5)
+    nc = await connect(cfg.nats, name="test-trainer")
+    store = PolicyStore(nc, cfg.names)
+    await store.start()
+    # what the trainer's weight publisher writes when gen-late missed version 3 (last acknowledged: 2)
+    await store.put(FENCED_KEY, orjson.dumps({"gen-late": {"last_acked_version": 2, "fenced_at": 0.0,
+                                                           "missed_version": 3}}))
+    late = make_group("late", 4, version=3)
+    ok = make_group("ok", 4, version=3)
+    for e in late:
+        e.generator_id = "gen-late"
+    await produce(cfg, late + ok)
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    try:
+        await wait_for(lambda: role.state.counters.get("dropped_fenced", 0) == 4
+                       and role.state.counters["batched_episodes"] == 4, 30, "fenced drop and batch", role, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        await nc.close()
+    drops = [r.value for r in await read_topic(cfg.kafka, cfg.names.drops, expect=DropRecord)]
+    assert [(d.reason, sorted(d.episode_ids)) for d in drops] == [("fenced", [e.episode_id for e in late])]

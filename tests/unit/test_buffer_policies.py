@@ -14,6 +14,7 @@ from buffer.policies import (
     batch_id_of,
     build_batch,
     group_advantages,
+    is_fenced,
     is_overlong,
     is_stale,
     is_zero_variance,
@@ -157,3 +158,19 @@ def test_build_batch_layout_follows_schema_conventions():
     assert b.stats["min_version"] == 1 and b.stats["max_version"] == 2 and b.stats["groups"] == 2
     back = codec.decode(codec.encode(b), expect=Batch)  # valid on the wire
     assert back.batch_id == b.batch_id and np.array_equal(back.input_ids, b.input_ids)
+
+
+def test_fenced_generator_episodes_newer_than_its_last_ack_are_dropped():
+    def gen_ep(i, gen, versions):
+        e = ep("g", i, reward=float(i % 2), versions=versions)
+        e.generator_id = gen
+        return e
+
+    fenced = {"gen-a": 3}
+    assert is_fenced(gen_ep(0, "gen-a", [3, 4, 4, 4]), fenced)  # a token from version 4: never acknowledged
+    assert not is_fenced(gen_ep(0, "gen-a", [3, 3, 3, 3]), fenced)
+    assert not is_fenced(gen_ep(0, "gen-b", [9, 9, 9, 9]), fenced) and not is_fenced(gen_ep(0, "gen-a", [9] * 4), {})
+    eps = [gen_ep(0, "gen-a", [4] * 4), gen_ep(1, "gen-b", [4] * 4), gen_ep(2, "gen-b", [4] * 4),
+           gen_ep(3, "gen-b", [4] * 4)]
+    v = score_group("g", eps, latest_version=4, max_policy_lag=0, fenced=fenced)
+    assert v.dropped == {Reason.FENCED: ["g/0"]} and v.kept is not None and v.kept.episode_ids == ["g/1", "g/2", "g/3"]

@@ -220,3 +220,18 @@ def test_replay_without_recovery_reforms_the_same_batch_ids():
     feed(t, records[committed:], start=committed)
     again = t.take_decisions(now=0, latest_version=0)
     assert [d.batch.batch_id for d in again] == [d.batch.batch_id for d in first[1:]]
+
+
+def test_fencing_applies_at_scoring_and_to_waiting_groups():
+    def gen_ep(gid, i, gen, version):
+        e = ep(gid, i, version=version)
+        e.generator_id = gen
+        return e
+
+    s = BufferState(cfg(groups_per_batch=1, max_policy_lag=5))
+    feed(s, [gen_ep("a", 0, "x", 2), gen_ep("a", 1, "x", 2), gen_ep("b", 0, "y", 2), gen_ep("b", 1, "y", 2)])
+    ds = s.take_decisions(now=0, latest_version=2, fenced={"x": 1}, max_batches=0)
+    assert [(d.reason, d.episode_ids) for d in ds] == [(Reason.FENCED, ["a/0", "a/1"])]
+    # b waits for the trainer; then y is fenced too: its waiting group is re-checked
+    ds = s.take_decisions(now=1, latest_version=2, fenced={"x": 1, "y": 1}, max_batches=0)
+    assert [(d.reason, d.episode_ids) for d in ds] == [(Reason.FENCED, ["b/0", "b/1"])]
