@@ -36,7 +36,9 @@ class BufferConfig:
     # minus the step of the latest PolicyVersion); scored groups wait (and are re-checked for staleness),
     # then consumption pauses at max_pending_episodes. 0 = publish as fast as groups complete.
     max_batches_ahead: int = 0
-    max_pending_episodes: int = 4096  # stop consuming beyond this many episodes held in memory
+    # stop consuming beyond this many episodes held in memory. Keep it above (groups in flight at once) x
+    # group_size: when only incomplete groups are held the buffer waits for their timeout (and drops them).
+    max_pending_episodes: int = 4096
     dedup_window: int = 200_000  # decided episode ids remembered for deduplication
     poll_max_records: int = 1000  # records per fetch
     recovery_skew_s: float = 10.0  # clock skew allowed between hosts when recovering (widens the scan)
