@@ -17,7 +17,7 @@ class KafkaConfig:
     bootstrap: str = ""  # host:port[,host:port]; empty = the embedded broker that `up` or a test provides
     client_id: str = "streamforge"
     acks: str = "all"  # "0" | "1" | "all"
-    compression: str = "lz4"
+    compression: str = "snappy"  # aiokafka's lz4 is LZ4HC (7 MB/s on a 108 KB batch); snappy 285 MB/s
     linger_ms: int = 5
     max_message_bytes: int = 16 * 1024 * 1024
     request_timeout_ms: int = 30_000
