@@ -165,6 +165,10 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                   flush=True)
             return 2
         trainer = child("trainer", "trainer")
+        if config.trainer.world_size > 1:  # ranks are started by torchrun; the trainer checks the world size
+            trainer.argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={config.trainer.world_size}", "-m", "streamforge", "run", "trainer",
+                            *cfg_args, *common]
         children = [trainer, child("feeder", "feeder")]
         children += [child(f"buffer-{i}", "buffer", [f"--buffer.buffer_id=buffer-{i}"])
                      for i in range(config.up.buffers)]
