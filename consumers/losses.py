@@ -29,6 +29,8 @@ current one carries no gradient; the normaliser is unchanged).
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -60,14 +62,55 @@ def loss_names() -> list[str]:
 
 
 def make_loss(name: str, **hyperparams: Any) -> LossFn:
-    """Build the registered loss ``name``; an unknown name or hyperparameter is a ``ConfigError``."""
-    if name not in _REGISTRY:
+    """Build the registered loss ``name`` (or a ``"module:factory"`` from config); an unknown name or
+    hyperparameter is a ``ConfigError``.
+
+    A user loss may have the plain public signature ``(logprobs, old_logprobs, advantages, mask,
+    ref_logprobs=None)``: keyword extras it does not accept (``entropy``, ``prox_logprobs``) are not passed."""
+    if name in _REGISTRY:
+        factory = _REGISTRY[name]
+    elif ":" in name:
+        factory = _import_factory(name)
+    else:
         raise ConfigError("trainer.loss", f"unknown loss {name!r}; registered: {loss_names()}")
-    factory = _REGISTRY[name]
     try:
-        return factory(**hyperparams)
+        fn = factory(**hyperparams)
     except TypeError as exc:
         raise ConfigError("trainer.loss_args", f"loss {name!r}: {exc}") from exc
+    return _accepting_extras(fn)
+
+
+def _import_factory(spec: str) -> Callable[..., LossFn]:
+    """Resolve ``trainer.loss = "package.module:factory"`` (from config only, never from a message)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("trainer.loss", f"cannot import {spec!r}: {exc}") from exc
+    if not callable(obj):
+        raise ConfigError("trainer.loss", f"{spec!r} is not callable")
+    return obj
+
+
+def _accepting_extras(fn: Callable[..., Any]) -> LossFn:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return fn  # type: ignore[return-value]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn  # type: ignore[return-value]
+    accepted = {k for k in ("entropy", "prox_logprobs") if k in params}
+    if accepted == {"entropy", "prox_logprobs"}:
+        return fn  # type: ignore[return-value]
+
+    def call(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+             ref_logprobs: Tensor | None = None, **extra: Any) -> tuple[Tensor, Metrics]:
+        return fn(logprobs, old_logprobs, advantages, mask, ref_logprobs,
+                  **{k: v for k, v in extra.items() if k in accepted})
+
+    return call  # type: ignore[return-value]
 
 
 # --- pieces ------------------------------------------------------------------------------------------------------

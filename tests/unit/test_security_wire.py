@@ -38,6 +38,8 @@ ALLOWED_DYNAMIC_IMPORTS: dict[tuple[str, str], str] = {
     ("streamforge/roles.py", "role_class"): "module from the fixed ROLES table, looked up by the CLI's role name",
     ("producers/rewards.py", "_import_reward"): "generator.rewards 'module:callable' specs, resolved once when "
                                                 "RewardSet is built from config, never from a message",
+    ("consumers/losses.py", "_import_factory"): "trainer.loss 'module:factory' from config, resolved once when the "
+                                                "trainer builds its loss, never from a message",
 }
 
 
