@@ -67,8 +67,12 @@ class ModelConfig:
     tiny: str = "char-llama"  # the built-in tiny model recipe used when path is empty ("" = none)
     flavor: str = ""  # torchtitan flavor (empty = derived from the HF config)
     max_seq_len: int = 128
+    warmstart_task: str = ""  # toy task for a short supervised warm start of the built tiny model ("" = none)
+    warmstart_accuracy: float = 0.3  # stop the warm start at this greedy accuracy
 
     def __post_init__(self) -> None:
+        if not 0 < self.warmstart_accuracy <= 1:
+            raise ConfigError("model.warmstart_accuracy", "must be in (0, 1]")
         if not self.path and not self.tiny:
             raise ConfigError("model.path", "set a Hugging Face model directory (or model.tiny)")
 

@@ -145,6 +145,13 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             model_path = str(run_dir / "model")
             if not (Path(model_path) / "config.json").exists():
                 build_tiny_model(model_path, seed=config.run.seed)
+                if config.model.warmstart_task:
+                    from consumers.warmstart import warm_start
+
+                    result = warm_start(model_path, config.model.warmstart_task, seed=config.run.seed,
+                                        target_accuracy=config.model.warmstart_accuracy)
+                    print(f"warm start: {result['steps']:.0f} supervised steps to greedy accuracy "
+                          f"{result['accuracy']:.2f} on {config.model.warmstart_task}", flush=True)
         common = overrides + child_overrides(config, kafka=kafka, nats=nats_url, model_path=model_path)
         base = [sys.executable, "-m", "streamforge", "run"]
         cfg_args = ["--config", config_path] if config_path else []
