@@ -25,9 +25,11 @@ test-fast: install
 	$(PY) -m pytest tests/unit
 
 demo: install
+	rm -rf runs/demo  # each demo starts fresh (a kept run dir would resume its checkpoints)
 	$(PY) -m streamforge up --config configs/demo.yaml --run-dir runs/demo
 
 bench: install
+	$(PY) -m pip install -q -e '.[bench]'
 	for b in bench/*.py; do $(PY) $$b || exit 1; done
 
 lint: install

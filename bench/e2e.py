@@ -1,6 +1,6 @@
 """End-to-end benchmark: time to mean reward 0.8 for TRL's GRPOTrainer, streamforge sync and streamforge async.
 
-Same tiny model (``producers/tiny_model.py``), task, group size, learning rate and seed for all three, in one run
+Same tiny model (``producers/tiny_model.py``, warm-started like the demo), task, group size, learning rate and seed for all three, in one run
 on one machine. Each system gets a wall-clock budget; time is measured from the first training step (start-up of
 brokers, engines and processes excluded, for all three alike) to the step whose running mean reward (window
 ``--window`` steps) first reaches ``--target``. A system that does not reach the target within its budget reports
@@ -118,12 +118,16 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--budget-s", type=float, default=900.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
+    p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
     args = p.parse_args()
 
+    from consumers.warmstart import warm_start
     from producers.tiny_model import build_tiny_model
 
     out = Path(tempfile.mkdtemp(prefix="sf-bench-e2e-"))
     model_dir = build_tiny_model(out / "model", seed=args.seed)
+    if args.warmstart > 0:  # the same supervised warm start as the demo, shared by all three systems
+        print("warm start:", warm_start(model_dir, args.task, target_accuracy=args.warmstart, seed=args.seed))
     res: dict[str, dict[str, Any]] = {}
     systems = args.systems.split(",")
     if "trl" in systems:
