@@ -2,7 +2,7 @@
 
 A generator is a *member* from its ``join`` until its ``leave`` or until it has been silent (no join, heartbeat or
 ack) for ``member_timeout_s``. Every publication round expects an ack of the new version from every member it
-targeted; a member that does not ack by the deadline (or whose transfer failed) is *fenced*.
+targeted; a member that does not ack by the deadline (or whose transfer failed, or that went silent) is *fenced*.
 
 Fencing record (what the buffer reads): the JSON value of key ``fenced`` in the run's policy KV bucket,
 
@@ -106,10 +106,11 @@ class Registry:
         m = self.members.get(generator_id)
         return m is not None and m.acked_version >= version
 
-    def fence(self, generator_id: str, missed_version: int, *, now: float | None = None) -> Fence:
+    def fence(self, generator_id: str, missed_version: int, *, now: float | None = None,
+              last_acked: int | None = None) -> Fence:
         now = time.time() if now is None else now
         m = self.members.get(generator_id)
-        last = m.acked_version if m is not None else -1
+        last = last_acked if last_acked is not None else (m.acked_version if m is not None else -1)
         prior = self.fenced.get(generator_id)
         if prior is not None:  # keep the first missed version; the last ack may have moved
             prior.last_acked_version = max(prior.last_acked_version, last)

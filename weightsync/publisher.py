@@ -218,6 +218,9 @@ class WeightPublisher:
                 log.warning("generator %s silent for %.1f s: dropped from membership", m.generator_id,
                             now - m.last_seen)
                 self.counters["members_expired"] += 1
+                if m.generator_id not in self.registry.fenced:
+                    self.counters["fenced"] += 1
+                self.registry.fence(m.generator_id, version, now=now, last_acked=m.acked_version)
                 if isinstance(m.state, _Pair) and not m.state.broken:
                     self._detached[m.generator_id] = m.state  # re-attached if it turns out to be alive
             # Every member is expected to ack. A member without a working pair group (it joined before any
@@ -237,7 +240,12 @@ class WeightPublisher:
                 self._latest = snapshot
                 for m in targets:
                     if self._reachable(m):
-                        sends[m.generator_id] = self._queue_push(m, snapshot)
+                        sends[m.generator_id] = self._queue_push(m.state, m.generator_id, snapshot)
+                # best effort to members expired for silence: a starved but live one still gets the version (its
+                # heartbeat re-attaches it); a dead one fails its push, and nobody waits for either
+                for gid, pair in list(self._detached.items()):
+                    fut = self._queue_push(pair, gid, snapshot)
+                    fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_detached_push_done(gid, pair, f))
         for gid, fut in sends.items():
             fut.add_done_callback(lambda f, gid=gid: self._on_push_done(gid, version, f))
         try:
@@ -262,9 +270,7 @@ class WeightPublisher:
     def _reachable(self, m: Member) -> bool:
         return isinstance(m.state, _Pair) and not m.state.broken
 
-    def _queue_push(self, m: Member, snapshot: Snapshot) -> asyncio.Future:
-        pair: _Pair = m.state
-        peer = m.generator_id
+    def _queue_push(self, pair: _Pair, peer: str, snapshot: Snapshot) -> asyncio.Future:
         timeout = self.cfg.timeout_s
 
         def push() -> float:
@@ -275,6 +281,15 @@ class WeightPublisher:
             return send_push(group, snapshot, peer=peer)
 
         return asyncio.wrap_future(pair.executor.submit(push))
+
+    def _on_detached_push_done(self, gid: str, pair: _Pair, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is None:
+            return
+        self.counters["transfer_failures"] += 1
+        log.info("push to expired generator %s failed: it is gone (%s)", gid, type(fut.exception()).__name__)
+        pair.close()
+        if self._detached.get(gid) is pair:
+            del self._detached[gid]
 
     def _on_push_done(self, gid: str, version: int, fut: asyncio.Future) -> None:
         if fut.cancelled():
@@ -331,7 +346,7 @@ class WeightPublisher:
                 pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s)
                 m.state = pair
                 if self._latest is not None and self._latest.version > mem.version:
-                    fut = self._queue_push(m, self._latest)
+                    fut = self._queue_push(pair, m.generator_id, self._latest)
                     v = self._latest.version
                     fut.add_done_callback(lambda f, gid=m.generator_id, v=v: self._on_push_done(gid, v, f))
                 else:

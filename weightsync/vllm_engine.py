@@ -79,6 +79,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     # -- transport (on the io thread) --------------------------------------------------------
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         self.shutdown_pair()
+        # a fresh transport thread per pair: a receive stuck on the old pair (until its timeout) must not delay
+        # the new rendezvous
+        self._io.shutdown(wait=False, cancel_futures=True)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-io")
         self._info = init_info
         self._pg = self._io.submit(generator_pair, init_info.address, init_info.session,
                                    timeout_s=init_info.timeout_s, host=init_info.host)

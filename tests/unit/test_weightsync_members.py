@@ -55,6 +55,8 @@ def test_fencing_keeps_last_acked_version_and_unfences_on_catch_up():
     other = Registry()
     other.load_fenced(reg.fenced_json())
     assert parse_fenced(other.fenced_json()) == {"g1": 4}
+    # a member dropped for silence is fenced at the last version it acked before it was dropped
+    assert other.fence("g9", 7, last_acked=5).last_acked_version == 5
 
 
 def test_config_validation_and_vllm_args():
