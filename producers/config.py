@@ -28,7 +28,8 @@ class GeneratorConfig:
     enforce_eager: bool = True
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"  # vLLM: "processed_logprobs" (after temperature etc.) | "raw_logprobs"
-    groups_per_version: int = 0  # >0: take at most (max_policy_lag+1)*this prompts per published version
+    groups_per_version: int = 0  # >0: this generator's share of groups per trainer version (stay <= lag ahead)
+    backpressure_stall_s: float = 30.0  # liveness guard of the groups_per_version quota (see producers/flow.py)
     poll_timeout_ms: int = 500  # longest wait for new prompts before re-checking stop and backpressure
 
     def __post_init__(self) -> None:
@@ -56,6 +57,8 @@ class GeneratorConfig:
             raise ConfigError("generator.logprobs_mode", "must be 'processed_logprobs' or 'raw_logprobs'")
         if self.groups_per_version < 0:
             raise ConfigError("generator.groups_per_version", "must be >= 0")
+        if self.backpressure_stall_s <= 0:
+            raise ConfigError("generator.backpressure_stall_s", "must be positive")
 
 
 @dataclass(kw_only=True, slots=True)

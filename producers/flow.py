@@ -12,10 +12,13 @@ buffer deduplicates what was produced twice).
 * ``latest - engine_version <= max_policy_lag``: its weights are at most ``max_policy_lag`` versions older than
   the newest published PolicyVersion (episodes from older weights would be dropped as stale by the buffer). It
   resumes when the weight receiver loads a newer version.
-* and, when ``groups_per_version > 0``, it has taken fewer than ``(max_policy_lag + 1) * groups_per_version``
-  prompts since ``latest`` was published: it runs at most ``max_policy_lag`` versions *ahead* of the trainer and
-  resumes when the trainer publishes the next version. Off by default: with filters that drop whole groups (zero
-  reward variance) a trainer may need more groups per version than the quota lets through.
+* and, when ``groups_per_version > 0`` (this generator's share of the groups the trainer consumes per version),
+  ``taken < (latest - first + max_policy_lag + 1) * groups_per_version + granted``, where ``taken`` counts every
+  prompt this generator took and ``first`` is the first version it saw published: it runs at most
+  ``max_policy_lag`` versions *ahead* of the trainer (AReaL-style staleness control) and resumes when the trainer
+  publishes the next version. Liveness guard: if the buffer drops groups (zero variance, stale), the trainer may
+  need more groups than the quota lets through and would wait forever; so when the quota blocked intake for
+  ``stall_s`` with nothing in flight and no new version, ``grant()`` adds one more version's worth.
 
 Before any version is published (``latest`` is None) nothing is throttled.
 """
@@ -66,7 +69,7 @@ class OffsetTracker:
         for tp, part in self._parts.items():
             if part.low < 0:
                 continue
-            nxt = part.committed if part.committed >= part.low else part.low
+            nxt = max(part.committed, part.low)
             while nxt in part.done:
                 nxt += 1
             if nxt > max(part.committed, part.low):
@@ -105,28 +108,42 @@ class Backpressure:
     max_policy_lag: int
     groups_per_version: int = 0
     latest: int | None = None  # newest published version, None before the first
-    taken_since_latest: int = 0
+    first: int | None = None  # first version seen published
+    taken: int = 0  # prompts taken by this generator since it started
+    granted: int = 0  # extra prompts granted by the liveness guard
 
     def published(self, version: int) -> None:
+        if self.first is None:
+            self.first = version
         if self.latest is None or version > self.latest:
             self.latest = version
-            self.taken_since_latest = 0
 
     def took(self, n: int = 1) -> None:
-        self.taken_since_latest += n
+        self.taken += n
+
+    def quota(self) -> int | None:
+        """Prompts this generator may have taken by now (None: unlimited)."""
+        if self.groups_per_version <= 0 or self.latest is None or self.first is None:
+            return None
+        return (self.latest - self.first + self.max_policy_lag + 1) * self.groups_per_version + self.granted
+
+    def behind(self, engine_version: int) -> bool:
+        return self.latest is not None and self.latest - engine_version > self.max_policy_lag
+
+    def ahead(self) -> bool:
+        quota = self.quota()
+        return quota is not None and self.taken >= quota
 
     def open(self, engine_version: int) -> bool:
-        if self.latest is None:
-            return True
-        if self.latest - engine_version > self.max_policy_lag:
-            return False
-        if self.groups_per_version > 0:
-            return self.taken_since_latest < (self.max_policy_lag + 1) * self.groups_per_version
-        return True
+        return not self.behind(engine_version) and not self.ahead()
+
+    def grant(self) -> None:
+        """Liveness guard: allow one more version's worth of prompts (see the module docstring)."""
+        self.granted += self.groups_per_version
 
     def reason(self, engine_version: int) -> str:
-        if self.open(engine_version):
-            return ""
-        if self.latest is not None and self.latest - engine_version > self.max_policy_lag:
+        if self.behind(engine_version):
             return f"weights at version {engine_version}, latest {self.latest} (lag > {self.max_policy_lag})"
-        return f"{self.taken_since_latest} prompts taken since version {self.latest} was published"
+        if self.ahead():
+            return f"{self.taken} prompts taken, quota {self.quota()} at version {self.latest} (ahead of the trainer)"
+        return ""

@@ -228,10 +228,20 @@ class GeneratorRole(Service):
         assert self.engine is not None
         if self._intake_closed or not self.backpressure.open(self.engine.version):
             return 0
-        return max(0, self.cfg.max_concurrent_prompts - len(self._tasks))
+        n = self.cfg.max_concurrent_prompts - len(self._tasks)
+        quota = self.backpressure.quota()
+        if quota is not None:
+            n = min(n, quota - self.backpressure.taken)
+        return max(0, n)
 
     async def _wait_for_slot(self) -> int:
-        """Wait until a slot is free and backpressure is open; raises the failure of a prompt task."""
+        """Wait until a slot is free and backpressure is open; raises the failure of a prompt task.
+
+        Waits on ``_wake`` (a prompt finished, a version was published, a task failed). While backpressure is
+        closed it also re-checks every ``poll_timeout_ms``: the receiver changes ``engine.version`` without
+        telling us, and the quota's liveness guard (``backpressure_stall_s``) is a timeout.
+        """
+        stalled_since: float | None = None
         while True:
             if self._failure is not None:
                 raise self._failure
@@ -239,14 +249,26 @@ class GeneratorRole(Service):
             if n:
                 return n
             self._wake.clear()
-            if self.receiver is not None and not self.backpressure.open(self.engine.version):
-                # The receiver changes engine.version without telling us: re-check at the poll interval.
-                try:
-                    await asyncio.wait_for(self._wake.wait(), self.cfg.poll_timeout_ms / 1000)
-                except TimeoutError:
-                    pass
+            bp = self.backpressure
+            if self._intake_closed or bp.open(self.engine.version):
+                await self._wake.wait()  # only a free slot (or stopping) can change anything
+                continue
+            if bp.ahead() and not self._tasks and not bp.behind(self.engine.version):
+                now = time.monotonic()
+                stalled_since = stalled_since or now
+                if now - stalled_since >= self.cfg.backpressure_stall_s:
+                    log.warning("backpressure: no new version for %.0f s with nothing in flight; granting %d "
+                                "more prompts (is the buffer dropping whole groups?)",
+                                now - stalled_since, bp.groups_per_version)
+                    bp.grant()
+                    stalled_since = None
+                    continue
             else:
-                await self._wake.wait()
+                stalled_since = None
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.cfg.poll_timeout_ms / 1000)
+            except TimeoutError:
+                pass
 
     async def _intake(self) -> None:
         """Consumes prompts (the topic, or the local source) while a slot is free and backpressure is open.

@@ -94,17 +94,31 @@ def test_backpressure_on_stale_weights():
     assert bp.latest == 2
 
 
-def test_backpressure_quota_per_version():
+def test_backpressure_quota_keeps_the_generator_at_most_lag_versions_ahead():
     bp = Backpressure(max_policy_lag=1, groups_per_version=2)
-    bp.took(10)
-    assert bp.open(0)  # no trainer yet: not throttled
-    bp.published(0)
     bp.took(3)
-    assert bp.open(0)
+    assert bp.open(0) and bp.quota() is None  # no trainer yet: not throttled
+    bp.published(5)  # first version seen: quota (5-5+1+1)*2 = 4
+    assert bp.quota() == 4 and bp.open(5)
     bp.took()
-    assert not bp.open(0) and "since version 0" in bp.reason(0)
-    bp.published(1)  # the trainer caught up
-    assert bp.open(1) and bp.taken_since_latest == 0
+    assert not bp.open(5) and bp.ahead() and "ahead of the trainer" in bp.reason(5)
+    bp.published(6)  # the trainer consumed a version's worth: 2 more
+    assert bp.quota() == 6 and bp.open(6)
+    bp.took(2)
+    assert not bp.open(6)
+    bp.grant()  # liveness guard
+    assert bp.open(6) and bp.quota() == 8
+
+
+def test_backpressure_rate_matches_the_trainer_over_many_versions():
+    """Cumulative, not reset per version: over k versions the generator takes (k + lag + 1) * gpv prompts."""
+    bp = Backpressure(max_policy_lag=2, groups_per_version=3)
+    bp.published(0)
+    for v in range(1, 50):
+        while bp.open(v - 1):
+            bp.took()
+        bp.published(v)
+    assert bp.taken == (48 + 2 + 1) * 3
 
 
 def test_build_episodes_ids_versions_and_lengths():
