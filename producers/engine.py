@@ -29,7 +29,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 log = logging.getLogger("streamforge.engine")
 
@@ -115,7 +115,7 @@ class Engine:
         if llm is not None:
             llm.shutdown()
 
-    async def __aenter__(self) -> Engine:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -136,7 +136,7 @@ class Engine:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else 0,
+            top_k=max(0, sampling.top_k),
             seed=sampling.seed,
             logprobs=0,  # the sampled token's logprob only
             stop_token_ids=list(sampling.stop_token_ids) or None,

@@ -89,7 +89,7 @@ class _Rebalance(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked: Any) -> None:
         try:
             await self.role._commit()
-        except Exception as exc:  # the group already moved on; the new owner redoes the work
+        except Exception as exc:  # noqa: BLE001 - the group already moved on; the new owner redoes the work
             log.warning("commit before rebalance failed: %s", exc)
         self.role.offsets.forget(revoked)
 
@@ -177,7 +177,7 @@ class GeneratorRole(Service):
         for closer in (self._close_consumer, self._close_receiver, self._close_producer, self._close_nats):
             try:
                 await closer()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - close the rest whatever failed
                 log.warning("generator stop: %s: %s", closer.__name__, exc)
         if self.rewards is not None:
             self.rewards.close()

@@ -19,6 +19,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 import pytest
@@ -97,7 +98,7 @@ class Tail:
         self.topic = topic
         self.records: list = []
 
-    async def __aenter__(self) -> Tail:
+    async def __aenter__(self) -> Self:
         await self.consumer.start()
         parts = None
         while not parts:
@@ -280,7 +281,7 @@ async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, 
 
 
 async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, model_dir, tmp_path):
-    overrides = dict(group_size=2, max_tokens=6, max_concurrent_prompts=2)
+    overrides = {"group_size": 2, "max_tokens": 6, "max_concurrent_prompts": 2}
     cfg = configure(run_config, model_dir, **overrides, generator_id="victim", kv_cache_gib=1.0,
                     rewards=["tests.integration.test_generator:slow_reward"])
     cfg = dataclasses.replace(cfg, kafka=dataclasses.replace(cfg.kafka, session_timeout_ms=6000,
@@ -295,10 +296,10 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
            "VLLM_CPU_OMP_THREADS_BIND": str((os.cpu_count() or 2) - 1)}
     env = {k: v for k, v in env.items() if not k.startswith("STREAMFORGE_")}
     log_path = tmp_path / "victim.log"
-    with open(log_path, "wb") as log_file:
-        victim = subprocess.Popen([sys.executable, "-m", "producers.generator", "--config", str(config_path)],
-                                  cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+    with open(log_path, "wb") as log_file:  # noqa: ASYNC230 - a local file, once
+        victim = subprocess.Popen(  # noqa: ASYNC220 - the test holds the handle to SIGKILL it
+            [sys.executable, "-m", "producers.generator", "--config", str(config_path)],
+            cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         async with Tail(cfg, cfg.names.episodes, Episode) as tail:
             await tail.until(lambda rs: len(rs) >= 1, 180, "the victim's first episode")
