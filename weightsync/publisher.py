@@ -211,7 +211,7 @@ class WeightPublisher:
                                                   keep=self.cfg.keep_versions))
         else:
             pv.address = self.address
-        sends: dict[str, asyncio.Future] = {}
+        sends: dict[str, tuple[_Pair, asyncio.Future]] = {}
         async with self._lock:
             now = time.time()
             for m in self.registry.expire(now=now):
@@ -240,14 +240,14 @@ class WeightPublisher:
                 self._latest = snapshot
                 for m in targets:
                     if self._reachable(m):
-                        sends[m.generator_id] = self._queue_push(m.state, m.generator_id, snapshot)
+                        sends[m.generator_id] = (m.state, self._queue_push(m.state, m.generator_id, snapshot))
                 # best effort to members expired for silence: a starved but live one still gets the version (its
                 # heartbeat re-attaches it); a dead one fails its push, and nobody waits for either
                 for gid, pair in list(self._detached.items()):
                     fut = self._queue_push(pair, gid, snapshot)
                     fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_detached_push_done(gid, pair, f))
-        for gid, fut in sends.items():
-            fut.add_done_callback(lambda f, gid=gid: self._on_push_done(gid, version, f))
+        for gid, (pair, fut) in sends.items():
+            fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_push_done(gid, version, pair, f))
         try:
             await asyncio.wait_for(self._acks_done.wait(), self.cfg.ack_deadline_s)
         except TimeoutError:
@@ -291,7 +291,7 @@ class WeightPublisher:
         if self._detached.get(gid) is pair:
             del self._detached[gid]
 
-    def _on_push_done(self, gid: str, version: int, fut: asyncio.Future) -> None:
+    def _on_push_done(self, gid: str, version: int, pair: _Pair, fut: asyncio.Future) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -304,8 +304,9 @@ class WeightPublisher:
         self.counters[kind] += 1
         log.warning("version %d: push to %s failed (%s: %s); dropping its pair group and fencing it", version,
                     gid, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        if m is not None and isinstance(m.state, _Pair):
-            m.state.close()
+        pair.close()
+        if m is None or m.state is not pair:
+            return  # the generator already re-joined on a new pair, which brings it the latest version
         if version == self._round_version and gid in self._waiting and not self.registry.acked(gid, version):
             self._fence(gid, version)
             self._done_waiting(gid)
@@ -348,7 +349,8 @@ class WeightPublisher:
                 if self._latest is not None and self._latest.version > mem.version:
                     fut = self._queue_push(pair, m.generator_id, self._latest)
                     v = self._latest.version
-                    fut.add_done_callback(lambda f, gid=m.generator_id, v=v: self._on_push_done(gid, v, f))
+                    fut.add_done_callback(lambda f, gid=m.generator_id, v=v, pair=pair:
+                                          self._on_push_done(gid, v, pair, f))
                 else:
                     reply = None
         if msg.reply:
