@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -140,6 +141,7 @@ async def run(args: argparse.Namespace) -> dict:
     stop.set()
     await asyncio.wait_for(asyncio.gather(*load, return_exceptions=True), 60)
     await engine.stop()
+    shutil.rmtree(tmp, ignore_errors=True)
 
     push, rawm, pause = statistics.median(push_s), statistics.median(raw_s), statistics.median(pauses)
     return {
