@@ -35,15 +35,18 @@ from collections import Counter
 from typing import Any, Self
 
 import nats.errors
+from opentelemetry import trace
 
 from topics.errors import StreamforgeError, TimeoutExpired
 from topics.names import Names
 from topics.nats import PolicyStore, publish_msg, request_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
+from topics.tracing import context_of_version, link_to
 from weightsync.config import WeightSyncConfig
 from weightsync.members import FENCED_KEY, parse_fenced
 
 log = logging.getLogger("streamforge.weightsync.receiver")
+_tracer = trace.get_tracer("streamforge.weightsync")
 
 
 class LoadFailed(StreamforgeError):
@@ -150,18 +153,27 @@ class WeightReceiver:
             await self.sync(pv)
 
     async def sync(self, pv: PolicyVersion) -> bool:
-        """Bring the engine to ``pv`` (or newer, for a join push); ack; returns whether it succeeded."""
-        for attempt in (1, 2):
-            try:
-                await self._sync_once(pv)
-                return True
-            except Exception as exc:  # noqa: BLE001 - any failure is retried once, then acked as failed
-                self.counters["load_failures"] += 1
-                log.warning("version %d: attempt %d failed: %s: %s", pv.version, attempt, type(exc).__name__, exc)
-                self._address = ""
-                err = f"{type(exc).__name__}: {exc}"
-        await self._ack(pv.version, ok=False, error=err)
-        return False
+        """Bring the engine to ``pv`` (or newer, for a join push); ack; returns whether it succeeded.
+
+        Traced as ``generator.swap``, linked to the span that published ``pv`` (its ``trace_context``), so an
+        episode's trace reaches every generator's adoption of the weights it trained."""
+        link = link_to(context_of_version(pv))
+        with _tracer.start_as_current_span("generator.swap", links=[link] if link else [], attributes={
+                "version": pv.version, "generator_id": self.generator_id, "transport": pv.transport}) as span:
+            for attempt in (1, 2):
+                try:
+                    await self._sync_once(pv)
+                    span.set_attribute("ok", True)
+                    return True
+                except Exception as exc:  # noqa: BLE001 - any failure is retried once, then acked as failed
+                    self.counters["load_failures"] += 1
+                    log.warning("version %d: attempt %d failed: %s: %s", pv.version, attempt, type(exc).__name__,
+                                exc)
+                    self._address = ""
+                    err = f"{type(exc).__name__}: {exc}"
+            span.set_attribute("ok", False)
+            await self._ack(pv.version, ok=False, error=err)
+            return False
 
     async def _sync_once(self, pv: PolicyVersion) -> None:
         if pv.transport == "none":
