@@ -43,9 +43,12 @@ CATALOG: tuple[Channel, ...] = (
     Channel("kafka", "dead-letter", "every role", "audit, `streamforge tail`", "source topic",
             "DeadLetter", "topics.dead_letter_partitions"),
     Channel("nats", "policy.version", "trainer", "generator, buffer", "-", "PolicyVersion", "nats.url"),
-    Channel("nats", "generators.membership", "generator", "trainer, status", "-", "Membership", "nats.url"),
-    Channel("nats", "generators.ack", "generator", "trainer, status", "-", "VersionAck", "nats.url"),
-    Channel("kv", "policy", "trainer", "generator, buffer, status", "`latest`", "PolicyVersion", "nats.url"),
+    Channel("nats", "generators.membership", "generator (join is a request: the trainer replies with the "
+            "PolicyVersion it pushes)", "trainer", "-", "Membership", "weightsync.heartbeat_s"),
+    Channel("nats", "generators.ack", "generator", "trainer", "-", "VersionAck", "weightsync.ack_deadline_s"),
+    Channel("kv", "policy", "trainer", "generator, buffer, status", "`latest`", "PolicyVersion", "nats.kv_history"),
+    Channel("kv", "policy", "trainer (weightsync fencing)", "buffer, generator", "`fenced`",
+            "JSON {generator_id: {last_acked_version, fenced_at, missed_version}}", "weightsync.ack_deadline_s"),
 )
 
 
