@@ -29,7 +29,6 @@ current one carries no gradient; the normaliser is unchanged).
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 from collections.abc import Callable
@@ -82,16 +81,9 @@ def make_loss(name: str, **hyperparams: Any) -> LossFn:
 
 def _import_factory(spec: str) -> Callable[..., LossFn]:
     """Resolve ``trainer.loss = "package.module:factory"`` (from config only, never from a message)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("trainer.loss", f"cannot import {spec!r}: {exc}") from exc
-    if not callable(obj):
-        raise ConfigError("trainer.loss", f"{spec!r} is not callable")
-    return obj
+    from streamforge.plugins import load_object
+
+    return load_object(spec, config_key="trainer.loss")
 
 
 def _accepting_extras(fn: Callable[..., Any]) -> LossFn:

@@ -28,13 +28,11 @@ be killed and is abandoned (it finishes in the background, its result ignored).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from producers.tasks import get_task
 from topics.errors import ConfigError, StreamforgeError
@@ -159,18 +157,11 @@ BUILTINS: dict[str, RewardFn] = {
 
 def _import_reward(spec: str) -> RewardFn:
     """Resolve ``"package.module:callable"`` (from ``generator.rewards`` config only)."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
+    from streamforge.plugins import load_object
+
+    if ":" not in spec:
         raise ConfigError("generator.rewards", f"{spec!r} is neither a builtin {sorted(BUILTINS)} nor module:callable")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError("generator.rewards", f"cannot import {spec!r}: {exc}") from exc
-    if not callable(obj):
-        raise ConfigError("generator.rewards", f"{spec!r} is not callable")
-    return obj
+    return load_object(spec, config_key="generator.rewards")
 
 
 def resolve(spec: str) -> RewardFn:
@@ -208,7 +199,7 @@ class RewardSet:
         loop = asyncio.get_running_loop()
         try:
             value = await asyncio.wait_for(loop.run_in_executor(self._pool, fn, prompt, text), self.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s") from None
         except Exception as exc:
             raise RewardFailed(name, "reward_error", f"{type(exc).__name__}: {exc}") from exc

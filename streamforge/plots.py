@@ -6,20 +6,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    rows = []
-    if not os.path.exists(path):
-        return rows
-    with open(path, "rb") as fh:
-        for line in fh:
-            try:
-                rows.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                continue
-    return rows
+    """Every row of a metrics.jsonl (none if it does not exist yet; a torn last line is skipped)."""
+    from streamforge.telemetry import read_jsonl
+
+    return read_jsonl(path) if os.path.exists(path) else []
 
 
 def plot_run(run_dir: str | os.PathLike) -> Path | None:

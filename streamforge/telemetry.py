@@ -111,8 +111,8 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def read_spans(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every span in a traces.jsonl file (a torn last line is skipped)."""
+def read_jsonl(path: str | os.PathLike) -> list[Any]:
+    """Every JSON line of a file appended to by several processes (a torn last line is skipped)."""
     out = []
     with open(path, "rb") as fh:
         for line in fh:
@@ -121,3 +121,8 @@ def read_spans(path: str | os.PathLike) -> list[dict[str, Any]]:
             except orjson.JSONDecodeError:
                 continue
     return out
+
+
+def read_spans(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every span in a traces.jsonl file (a torn last line is skipped)."""
+    return read_jsonl(path)

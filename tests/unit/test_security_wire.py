@@ -36,10 +36,9 @@ SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "yaml.SafeLoader", "yaml.CSafe
 # Reviewed config-driven import sites: (path relative to the repo root, enclosing function) -> what feeds it.
 ALLOWED_DYNAMIC_IMPORTS: dict[tuple[str, str], str] = {
     ("streamforge/roles.py", "role_class"): "module from the fixed ROLES table, looked up by the CLI's role name",
-    ("producers/rewards.py", "_import_reward"): "generator.rewards 'module:callable' specs, resolved once when "
-                                                "RewardSet is built from config, never from a message",
-    ("consumers/losses.py", "_import_factory"): "trainer.loss 'module:factory' from config, resolved once when the "
-                                                "trainer builds its loss, never from a message",
+    ("streamforge/plugins.py", "load_object"): "user plugins named in config: generator.rewards 'module:callable' "
+                                               "(RewardSet) and trainer.loss 'module:factory' (make_loss), resolved "
+                                               "once at start-up, never from a message",
 }
 
 
