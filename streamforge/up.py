@@ -51,9 +51,14 @@ class Child:
         return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
+        """SIGTERM goes to the role process alone (it drains and stops its own children, e.g. vLLM's engine);
+        SIGKILL goes to its whole process group."""
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
+                if sig == signal.SIGKILL:
+                    os.killpg(self.proc.pid, sig)
+                else:
+                    os.kill(self.proc.pid, sig)
 
     def log_tail(self, n: int = 15) -> str:
         try:

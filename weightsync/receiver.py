@@ -243,6 +243,11 @@ class WeightReceiver:
             await self._rpc(llm.start_weight_update(), "start_weight_update")
 
     def _file_loader(self, path: str):
+        # vLLM's reload_weights on a missing or empty directory leaves the model on meta tensors (the next step
+        # kills the engine): refuse before pausing anything.
+        if not os.path.isdir(path) or not any(name.endswith(".safetensors") for name in os.listdir(path)):
+            raise LoadFailed(f"no safetensors in {path!r}")
+
         async def load(llm: Any) -> None:
             await self._rpc(llm.collective_rpc("reload_weights", kwargs={"weights_path": path}), "reload_weights",
                             factor=3)
