@@ -23,6 +23,7 @@ OTHER = {
     "deploy/": "Dockerfiles, docker-compose (Apache Kafka KRaft + NATS), Kubernetes manifests; see deploy/README.md",
     "tests/unit/": "pure tests (fakes allowed, no broker)",
     "tests/integration/": "real Tansu, nats-server, vLLM CPU engine and gloo process groups",
+    "tests/chaos/": "killed roles, a killed durable broker, a frozen NATS, during real runs (marked slow)",
 }
 
 
