@@ -6,6 +6,8 @@ import asyncio
 import time
 from typing import Any
 
+import orjson
+
 from topics import codec
 from topics.admin import group_offsets, highwaters
 from topics.nats import PolicyStore, connect
@@ -35,42 +37,52 @@ async def kafka_status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any
     return out
 
 
-async def nats_status(config: Any) -> dict[str, Any]:
+async def nats_status(config: Any, *, listen_s: float = 2.5) -> dict[str, Any]:
+    """Latest version from the KV bucket, fenced generators from its ``fenced`` key, and each generator's loaded
+    version from what it says on the membership (heartbeats carry it) and ack subjects during ``listen_s``."""
     nc = await connect(config.nats, name="streamforge-status")
     try:
         store = PolicyStore(nc, config.names, timeout_s=config.nats.request_timeout_s)
         await store.start()
         latest, revision = await store.latest()
-        generators: dict[str, Any] = {}
-        try:
-            keys = await store.kv.keys()
-        except Exception:  # no keys at all
-            keys = []
-        for key in keys:
-            if key == config.names.LATEST_KEY:
-                continue
-            raw = await store.get(key)
-            if not raw:
-                continue
+        generators: dict[str, dict[str, Any]] = {}
+
+        async def on_msg(msg: Any) -> None:
             try:
-                msg = codec.decode(raw)
-            except Exception:
-                generators[key] = {"error": "undecodable"}
-                continue
-            if isinstance(msg, VersionAck):
-                generators.setdefault(msg.generator_id, {}).update(
-                    {"version": msg.version, "ok": msg.ok, "acked_at": msg.created_at, "pause_ms": msg.pause_ms})
-            elif isinstance(msg, Membership):
-                generators.setdefault(msg.generator_id, {}).update({"event": msg.event, "seen_at": msg.created_at})
+                m = codec.decode(msg.data)
+            except Exception:  # noqa: BLE001 - a status reader skips what it cannot read
+                return
+            if isinstance(m, VersionAck):
+                generators.setdefault(m.generator_id, {}).update(
+                    {"version": m.version, "ok": m.ok, "acked_at": m.created_at, "pause_ms": m.pause_ms})
+            elif isinstance(m, Membership):
+                row = generators.setdefault(m.generator_id, {})
+                row.update({"event": m.event, "seen_at": m.created_at, "host": m.host, "pid": m.pid})
+                if m.version >= 0:
+                    row.setdefault("version", m.version)
+
+        subs = [await nc.subscribe(config.names.ack_subject, cb=on_msg),
+                await nc.subscribe(config.names.membership_subject, cb=on_msg)]
+        await asyncio.sleep(listen_s)
+        for sub in subs:
+            await sub.unsubscribe()
+        raw_fenced = await store.get("fenced")
+        try:
+            fenced = orjson.loads(raw_fenced) if raw_fenced else {}
+        except orjson.JSONDecodeError:
+            fenced = {"error": "undecodable fencing record"}
         return {
             "latest_version": None if latest is None else latest.version,
             "latest_step": None if latest is None else latest.step,
             "revision": revision,
             "generators": generators,
+            "fenced": fenced,
         }
     finally:
         await nc.close()
 
 
 async def status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any]:
-    return {"policy": await nats_status(config), "topics": await kafka_status(config, interval_s=interval_s)}
+    policy, topics = await asyncio.gather(nats_status(config, listen_s=max(interval_s, 2.5)),
+                                          kafka_status(config, interval_s=interval_s))
+    return {"policy": policy, "topics": topics}

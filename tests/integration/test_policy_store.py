@@ -77,3 +77,34 @@ async def test_unreachable_nats_fails_with_the_address(run_config) -> None:
     with pytest.raises(BrokerUnavailable) as err:
         await connect(NatsConfig(url=url, connect_retries=2, connect_timeout_s=0.5), name="t")
     assert url in str(err.value) and err.value.retriable
+
+
+async def test_status_shows_versions_per_generator_and_fencing(run_config) -> None:
+    from streamforge.status import nats_status
+    from topics.nats import publish_msg
+    from topics.schemas import Membership, VersionAck
+
+    nc = await connect(run_config.nats, name="fake-generators")
+    try:
+        store = PolicyStore(nc, run_config.names)
+        await store.start()
+        await store.publish(PolicyVersion(version=7, step=7), expected_revision=0)
+        await store.put("fenced", b'{"gen-b": {"last_acked_version": 5, "fenced_at": 1.0, "missed_version": 6}}')
+
+        async def chatter() -> None:
+            while True:
+                await publish_msg(nc, run_config.names.membership_subject,
+                                  Membership(generator_id="gen-b", event="heartbeat", version=5))
+                await publish_msg(nc, run_config.names.ack_subject, VersionAck(generator_id="gen-a", version=7))
+                await asyncio.sleep(0.1)
+
+        task = asyncio.create_task(chatter())
+        try:
+            status = await nats_status(run_config, listen_s=1.0)
+        finally:
+            task.cancel()
+        assert status["latest_version"] == 7
+        assert status["generators"]["gen-a"]["version"] == 7 and status["generators"]["gen-b"]["version"] == 5
+        assert status["fenced"]["gen-b"]["last_acked_version"] == 5
+    finally:
+        await nc.close()
