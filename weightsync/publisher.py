@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
+import nats.errors
 import orjson
 import torch
 
 from topics import codec
-from topics.errors import StreamforgeError
+from topics.errors import StaleWriter, StreamforgeError
 from topics.names import Names
 from topics.nats import PolicyStore, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
@@ -234,7 +235,7 @@ class WeightPublisher:
             if not self._waiting:
                 self._acks_done.set()
             self.registry.latest_version = version
-            self._rev = await self.store.publish(pv, expected_revision=self._rev)
+            self._rev = await self._store_version(pv)
             self._latest_pv = pv
             if self.collective:
                 self._latest = snapshot
@@ -391,6 +392,29 @@ class WeightPublisher:
             self.counters["fenced"] += 1
             log.warning("generator %s fenced at version %d", gid, version)
         self.registry.fence(gid, version)
+
+    async def _store_version(self, pv: PolicyVersion) -> int:
+        """Compare-and-set ``pv`` into the KV store, riding out a NATS outage: each attempt is bounded by
+        ``timeout_s``; a timed-out attempt may still land when the server comes back, so a later ``StaleWriter``
+        whose latest value is this very version (and trainer) counts as success. A real stale writer still raises."""
+        delay, timed_out = 0.5, False
+        while True:
+            try:
+                return await asyncio.wait_for(self.store.publish(pv, expected_revision=self._rev), self.cfg.timeout_s)
+            except StaleWriter:
+                if not timed_out:
+                    raise
+                latest, rev = await asyncio.wait_for(self.store.latest(), self.cfg.timeout_s)
+                if latest is not None and latest.version == pv.version and latest.trainer_id == pv.trainer_id:
+                    return rev
+                raise
+            except (TimeoutError, nats.errors.Error, OSError) as exc:
+                timed_out = True
+                self.counters["kv_failures"] += 1
+                log.warning("version %d: the policy store is unreachable (%s: %s); retrying in %.1f s",
+                            pv.version, type(exc).__name__, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     async def _write_fenced(self) -> None:
         try:

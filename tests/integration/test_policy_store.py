@@ -33,15 +33,20 @@ async def test_publish_latest_watch_and_compare_and_set(run_config) -> None:
             async for pv in store.watch():
                 seen.append(pv.version)
 
-        watcher = asyncio.create_task(watch())
         rev1 = await store.publish(PolicyVersion(version=1, step=1, batch_ids=["b1"]), expected_revision=0)
+        watcher = asyncio.create_task(watch())  # a watch starts with the current version...
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.05)
+        assert seen == [1]
         rev2 = await store.publish(PolicyVersion(version=2, step=2, transport="file", path="/w/2"),
-                                   expected_revision=rev1)
+                                   expected_revision=rev1)  # ...then sees every newer one
         with pytest.raises(StaleWriter):  # a zombie writer that still believes rev1 is latest
             await store.publish(PolicyVersion(version=99, step=99), expected_revision=rev1)
         with pytest.raises(StaleWriter):  # a second "first" writer
             await store.publish(PolicyVersion(version=1, step=1), expected_revision=0)
-        for _ in range(50):
+        for _ in range(100):
             if seen == [1, 2] and notified == [1, 2]:
                 break
             await asyncio.sleep(0.05)
