@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import orjson
 
-from topics.admin import partitions_of
+from topics.admin import reader_from_start
 from topics.config import KafkaConfig
-from topics.kafka import Consumer, Received
+from topics.kafka import Received
 
 
 def summarize(value: Any, *, full: bool = False) -> Any:
@@ -48,14 +48,9 @@ async def tail(cfg: KafkaConfig, topic: str, *, follow: bool, max_messages: int,
                out: Any = None) -> int:
     """Print a topic from the beginning; with ``follow`` keep waiting for new records. Returns the count."""
     out = out or sys.stdout.buffer
-    consumer = Consumer(cfg, [], group_id=None, client_id="streamforge-tail")
-    await consumer.start()
+    consumer, tps = await reader_from_start(cfg, topic, client_id="streamforge-tail")
     count = 0
     try:
-        tps = await partitions_of(consumer, topic)
-        consumer.raw.assign(tps)
-        for tp in tps:
-            consumer.seek(tp, 0)
         idle = 0
         while max_messages <= 0 or count < max_messages:
             records = await consumer.getmany(timeout_ms=500)

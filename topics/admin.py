@@ -87,16 +87,28 @@ async def partitions_of(consumer: Consumer, topic: str, timeout_s: float = 10.0)
         await asyncio.sleep(0.2)
 
 
-async def read_topic(cfg: KafkaConfig, topic: str, *, expect: type | None = None,
-                     idle_timeout_s: float = 5.0, max_wait_s: float = 120.0) -> list[Received]:
-    """Every record of ``topic`` from offset 0 to the current high-water marks, decoded, in partition order."""
-    consumer = Consumer(cfg, [], group_id=None, expect=expect, client_id=f"{cfg.client_id}-reader")
+async def reader_from_start(cfg: KafkaConfig, topic: str, *, client_id: str,
+                            expect: type | None = None) -> tuple[Consumer, list[TopicPartition]]:
+    """A started, group-less consumer assigned every partition of ``topic`` at offset 0 (the caller stops it)."""
+    consumer = Consumer(cfg, [], group_id=None, expect=expect, client_id=client_id)
     await consumer.start()
     try:
         tps = await partitions_of(consumer, topic)
-        consumer.raw.assign(tps)
-        for tp in tps:
-            consumer.seek(tp, 0)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await consumer.stop()
+        raise
+    consumer.raw.assign(tps)
+    for tp in tps:
+        consumer.seek(tp, 0)
+    return consumer, tps
+
+
+async def read_topic(cfg: KafkaConfig, topic: str, *, expect: type | None = None,
+                     idle_timeout_s: float = 5.0, max_wait_s: float = 120.0) -> list[Received]:
+    """Every record of ``topic`` from offset 0 to the current high-water marks, decoded, in partition order."""
+    consumer, tps = await reader_from_start(cfg, topic, expect=expect, client_id=f"{cfg.client_id}-reader")
+    try:
         out: list[Received] = []
         deadline = time.monotonic() + max_wait_s
         idle_since = time.monotonic()
@@ -121,13 +133,8 @@ async def read_topic(cfg: KafkaConfig, topic: str, *, expect: type | None = None
 
 async def highwaters(cfg: KafkaConfig, topic: str, *, timeout_s: float = 5.0) -> dict[int, int]:
     """The high-water mark of every partition of ``topic`` (learned from a fetch; Tansu's end_offsets is wrong)."""
-    consumer = Consumer(cfg, [], group_id=None, client_id=f"{cfg.client_id}-hw")
-    await consumer.start()
+    consumer, tps = await reader_from_start(cfg, topic, client_id=f"{cfg.client_id}-hw")
     try:
-        tps = await partitions_of(consumer, topic)
-        consumer.raw.assign(tps)
-        for tp in tps:
-            consumer.seek(tp, 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             await consumer.raw.getmany(timeout_ms=200, max_records=1)
