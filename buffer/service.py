@@ -272,7 +272,12 @@ class BufferRole(Service):
     async def _publish(self, decisions: list[Decision]) -> None:
         """Hand every decision to the producer (pipelined); ``_settle`` marks them decided once acknowledged."""
         assert self.producer is not None
+        drops = self.drop_counts()
         for d in decisions:
+            if d.kind != "batch":
+                drops[d.reason] = drops.get(d.reason, 0) + len(d.episode_ids)
+            elif d.batch is not None:  # the trainer copies these into its metrics.jsonl rows
+                d.batch.stats.update({f"dropped/{r}": float(n) for r, n in drops.items()})
             name = "buffer.batch" if d.kind == "batch" else "buffer.drop"
             with tracer.start_as_current_span(name) as span:
                 if span.is_recording():  # links to the spans that produced the episodes
@@ -293,6 +298,16 @@ class BufferRole(Service):
                                      detail=d.detail, buffer_id=self.buffer_id)
                     fut = await self.producer.enqueue(self.names.drops, rec, key=d.group_id)
             self._inflight.append((d, fut))
+
+    def drop_counts(self) -> dict[str, int]:
+        """Episodes dropped so far, by reason: acknowledged drops, in-flight ones, and dead-lettered (malformed)."""
+        out = {k.removeprefix("dropped_"): v for k, v in self.state.counters.items() if k.startswith("dropped_")}
+        for d, _ in self._inflight:
+            if d.kind != "batch":
+                out[d.reason] = out.get(d.reason, 0) + len(d.episode_ids)
+        if self.counters.get("dead_lettered"):
+            out["malformed"] = out.get("malformed", 0) + self.counters["dead_lettered"]
+        return out
 
     async def _settle(self, *, wait: bool) -> None:
         """Mark acknowledged decisions DECIDED, in publication order (all of them, waiting, with ``wait``).

@@ -49,7 +49,7 @@ def _record(metrics: dict[str, Any], step: int) -> None:
         return
     for key, value in metrics.items():
         if isinstance(value, (int, float)):
-            record_metric(f"trainer/{key}", float(value))
+            record_metric(key if "/" in key else f"trainer/{key}", float(value))
     flush_metrics(step)
 
 
@@ -87,6 +87,7 @@ class TrainerRole(Service):
         self.nc = None
         self.ledger: Ledger | None = None
         self.metrics_out: JsonlAppender | None = None
+        self._drops: dict[str, dict[str, float]] = {}  # buffer id -> its drop counters (from its latest batch)
         self.tokenizer = None
         self.finished_reason = ""
 
@@ -306,13 +307,25 @@ class TrainerRole(Service):
                "time": time.time(), "reward_mean": reward, "loss": metrics.get("loss", 0.0),
                "staleness_mean": staleness(batch, self.version), "episodes": len(batch.episode_ids),
                "tokens_per_s": metrics.get("tokens", 0.0) / max(elapsed, 1e-9), "batch_id": batch.batch_id,
-               "duplicates": self.duplicates, **{k: v for k, v in metrics.items() if k not in ("loss",)}}
+               "duplicates": self.duplicates, **{k: v for k, v in metrics.items() if k not in ("loss",)},
+               **self._buffer_drops(batch)}
         self.metrics_out.append(row)
         _record(row, self.step)
         if self.step % self.cfg.publish_every == 0:
             await self._publish()
         if self.step % self.cfg.checkpoint_every == 0:
             await self._checkpoint()
+
+    def _buffer_drops(self, batch: Batch) -> dict[str, float]:
+        """``buffer/dropped/<reason>``: the drop counters each buffer stamped on its latest batch, summed over buffers."""
+        drops = {k.removeprefix("dropped/"): v for k, v in batch.stats.items() if k.startswith("dropped/")}
+        if drops or batch.buffer_id in self._drops:
+            self._drops[batch.buffer_id] = drops
+        total: dict[str, float] = {}
+        for per_buffer in self._drops.values():
+            for reason, n in per_buffer.items():
+                total[f"buffer/dropped/{reason}"] = total.get(f"buffer/dropped/{reason}", 0.0) + n
+        return total
 
     async def _publish(self) -> None:
         if self.publisher is None:

@@ -85,6 +85,12 @@ async def test_episodes_in_batches_out_counts_reconcile(run_config):
         assert set(b.group_ids) <= {f"g{i}" for i in range(6)} and len(b.episode_ids) == b.input_ids.shape[0]
         assert np.isfinite(b.advantages).all() and abs(float(b.advantages.sum())) < 1e-3
         assert (b.token_versions[b.loss_mask.astype(bool)] == 5).all()
+    # each batch carries the buffer's drop counters at its publication (the trainer puts them in metrics.jsonl)
+    previous: dict[str, float] = {}
+    for b in batches:
+        counts = {k.removeprefix("dropped/"): v for k, v in b.stats.items() if k.startswith("dropped/")}
+        assert all(counts.get(k, 0.0) >= v for k, v in previous.items()), (previous, counts)
+        previous = counts
     drops = [r.value for r in await read_topic(cfg.kafka, cfg.names.drops, expect=DropRecord)]
     reasons = {}
     for d in drops:
@@ -93,6 +99,8 @@ async def test_episodes_in_batches_out_counts_reconcile(run_config):
     assert reasons["zero_variance"] == {e.episode_id for e in flat}
     assert reasons["overlong"] == {e.episode_id for e in long}
     assert reasons["incomplete"] == {e.episode_id for e in partial}
+    final = {r: len(ids) for r, ids in reasons.items()} | {"malformed": 2}
+    assert all(v <= final.get(k, 0) for k, v in previous.items()), (previous, final)
 
     audit = await run_audit(cfg)
     assert audit["produced"] == len(episodes) - len(dup) == 38 and audit["duplicate_records"] == 2

@@ -78,6 +78,10 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     cfg.weightsync.transport = "file"
     cfg.weightsync.ack_deadline_s = 2.0
     batches = [make_batch(i) for i in range(3)]
+    # two buffers stamp their cumulative drop counters on their batches; the trainer's rows sum the latest of each
+    batches[0].buffer_id, batches[0].stats = "buffer-a", {"dropped/stale": 3.0, "reward_mean": 0.5}
+    batches[1].buffer_id, batches[1].stats = "buffer-b", {"dropped/stale": 1.0, "dropped/overlong": 2.0}
+    batches[2].buffer_id, batches[2].stats = "buffer-a", {"dropped/stale": 5.0}
     # a redelivered batch and a malformed record between the good ones
     await produce(cfg, cfg.names.batches, [batches[0], batches[0], batches[1]], raw=[b"\x93not a batch"])
     too_long = make_batch(98, t=cfg.model.max_seq_len + 1)
@@ -107,6 +111,10 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
         assert r["episodes"] == 4 and np.isfinite(r["loss"]) and r["grad_norm"] > 0
     assert rows[-1]["staleness_mean"] == 2.0  # tokens sampled by version 0, trained at version 2
     assert rows[-1]["duplicates"] == 1
+    drops = [{k: v for k, v in r.items() if k.startswith("buffer/dropped/")} for r in rows]
+    assert drops == [{"buffer/dropped/stale": 3.0},
+                     {"buffer/dropped/stale": 4.0, "buffer/dropped/overlong": 2.0},
+                     {"buffer/dropped/stale": 6.0, "buffer/dropped/overlong": 2.0}]
 
     ckpts = sorted(p.name for p in (cfg.run_dir / "checkpoints").iterdir())
     assert ckpts == ["step-2", "step-3"]
