@@ -31,6 +31,7 @@ class GeneratorConfig:
     groups_per_version: int = 0  # >0: this generator's share of groups per trainer version (stay <= lag ahead)
     backpressure_stall_s: float = 30.0  # liveness guard of the groups_per_version quota (see producers/flow.py)
     poll_timeout_ms: int = 500  # longest wait for new prompts before re-checking stop and backpressure
+    metrics_every_s: float = 5.0  # how often the generator flushes its generator/* metrics
 
     def __post_init__(self) -> None:
         if self.prompt_source not in ("topic", "local"):
@@ -57,6 +58,8 @@ class GeneratorConfig:
             raise ConfigError("generator.logprobs_mode", "must be 'processed_logprobs' or 'raw_logprobs'")
         if self.groups_per_version < 0:
             raise ConfigError("generator.groups_per_version", "must be >= 0")
+        if self.metrics_every_s <= 0:
+            raise ConfigError("generator.metrics_every_s", "must be positive")
         if self.backpressure_stall_s <= 0:
             raise ConfigError("generator.backpressure_stall_s", "must be positive")
 

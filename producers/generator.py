@@ -19,8 +19,14 @@
   spans ``generator.generate``, ``generator.reward`` and ``generator.produce``; the Episodes' headers carry the
   context on to the buffer.
 
-Supervised loops (``Service.serve``): ``intake`` (consumes prompts), ``policy`` (watches the store) and
-``weightsync`` (the receiver). A prompt task that fails unexpectedly (engine dead, broker error) makes ``intake``
+Metrics (``streamforge.metrics.record_metric``, flushed every ``generator.metrics_every_s`` into
+``<run_dir>/metrics-<generator id>.jsonl`` with the ``jsonl`` backend): ``generator/tokens_per_s``,
+``generator/episodes_per_s``, ``generator/prompts``, ``generator/episodes``, ``generator/policy_version``,
+``generator/swaps``, ``generator/in_flight``, ``generator/queue_wait_s``, and per group ``generator/reward_mean``,
+``generator/generate_s`` and ``generator/response_tokens``.
+
+Supervised loops (``Service.serve``): ``intake`` (consumes prompts), ``policy`` (watches the store), ``metrics``
+and ``weightsync`` (the receiver). A prompt task that fails unexpectedly (engine dead, broker error) makes ``intake``
 raise, which stops the role with a clear message. ``drain()`` stops intake, waits for the prompts in flight and
 commits them.
 """
@@ -47,6 +53,7 @@ from producers.sources import open_source
 from producers.tiny_model import ensure_model
 from streamforge.config import RunConfig
 from streamforge.lifecycle import Service
+from streamforge.metrics import flush_metrics, record_metric
 from topics.errors import BrokerError, StreamforgeError
 from topics.kafka import Consumer, DeadLetters, Producer, Received
 from topics.nats import PolicyStore, connect
@@ -130,6 +137,8 @@ class GeneratorRole(Service):
         self._commit_lock = asyncio.Lock()
         self.stats = {"prompts": 0, "episodes": 0, "dead_lettered": 0, "tokens": 0, "commits": 0}
         self.first_taken_at: float | None = None  # perf_counter() of the first prompt taken (benchmarks)
+        self._last_report = (dict(self.stats), time.perf_counter())  # for the rates of the next metrics row
+        self._reports = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -201,7 +210,7 @@ class GeneratorRole(Service):
             await asyncio.wait_for(self.nc.drain(), self.config.nats.request_timeout_s)
 
     def loops(self) -> dict[str, Any]:
-        loops = {"intake": self._intake(), "policy": self._policy()}
+        loops = {"intake": self._intake(), "policy": self._policy(), "metrics": self._metrics()}
         if self.receiver is not None:
             loops["weightsync"] = self.receiver.loop()
         return loops
@@ -213,6 +222,7 @@ class GeneratorRole(Service):
         if self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self._commit()
+        self._report()  # the last metrics row holds the final counts
 
     # -- loops ----------------------------------------------------------------------------------
     async def _policy(self) -> None:
@@ -222,6 +232,29 @@ class GeneratorRole(Service):
             self.backpressure.published(pv.version)
             self._wake.set()
         raise StreamforgeError("the policy store watch ended", retriable=True)
+
+    async def _metrics(self) -> None:
+        """Every ``metrics_every_s``: rates since the last flush and the engine's state, then flush. Never ends."""
+        while True:
+            await asyncio.sleep(self.cfg.metrics_every_s)
+            self._report()
+
+    def _report(self) -> None:
+        """Record the rates since the last report and the engine's state, and flush (one metrics row)."""
+        now = time.perf_counter()
+        last, t_last = self._last_report
+        dt = max(now - t_last, 1e-9)
+        record_metric("generator/tokens_per_s", (self.stats["tokens"] - last["tokens"]) / dt)
+        record_metric("generator/episodes_per_s", (self.stats["episodes"] - last["episodes"]) / dt)
+        record_metric("generator/prompts", self.stats["prompts"], "max")
+        record_metric("generator/episodes", self.stats["episodes"], "max")
+        record_metric("generator/in_flight", len(self._tasks), "max")
+        if self.engine is not None:
+            record_metric("generator/policy_version", self.engine.version, "max")
+            record_metric("generator/swaps", self.engine.swaps, "max")
+        self._reports += 1
+        flush_metrics(self._reports)
+        self._last_report = (dict(self.stats), now)
 
     def _may_take(self) -> int:
         """How many prompts intake may take now (0: wait)."""
@@ -382,6 +415,12 @@ class GeneratorRole(Service):
             self.stats["prompts"] += 1
             self.stats["episodes"] += len(acks)
             self.stats["tokens"] += sum(len(c.token_ids) for c in completions)
+            record_metric("generator/queue_wait_s", max(0.0, t_taken - prompt.created_at))
+            record_metric("generator/generate_s", max((c.generate_s for c in completions), default=0.0))
+            for ep, ok in zip(episodes, scored):
+                if ok:
+                    record_metric("generator/reward_mean", ep.reward)
+                    record_metric("generator/response_tokens", len(ep.response_tokens))
         if rec is not None:
             self.offsets.done(rec.tp, rec.offset)
             await self._commit()

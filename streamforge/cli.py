@@ -93,6 +93,14 @@ def brokers(durable: bool, data_dir: Path | None, kafka_port: int, nats_port: in
     _run_async(serve())
 
 
+def metrics_name(role: str, config: Any) -> str:
+    """The metrics label (and ``metrics-<label>.jsonl``) of a role process: its id where several may run."""
+    ident = {"generator": config.generator.generator_id, "buffer": config.buffer.buffer_id}.get(role, "")
+    if not ident:
+        return role
+    return ident if ident.startswith(role) else f"{role}-{ident}"
+
+
 @main.command(context_settings=OVERRIDES)
 @click.argument("role")
 @click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
@@ -114,7 +122,7 @@ def run(ctx: click.Context, role: str, config_path: str | None) -> None:
                   otlp_endpoint=config.telemetry.otlp_endpoint)
     from streamforge.metrics import configure_metrics
 
-    configure_metrics(role, config.run_dir, config.telemetry.metrics)
+    configure_metrics(metrics_name(role, config), config.run_dir, config.telemetry.metrics)
     try:
         code = run_service(cls(config))
     finally:

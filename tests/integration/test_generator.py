@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Self
 
 import numpy as np
+import orjson
 import pytest
 
 from producers.engine import Engine
@@ -151,15 +152,30 @@ async def stop_role(stop: asyncio.Event, task: asyncio.Task) -> None:
 # -- tests ------------------------------------------------------------------------------------------------------
 
 async def test_episodes_groups_tokens_logprobs_rewards(run_config, engine, model_dir):
-    cfg = configure(run_config, model_dir, group_size=4, max_tokens=8, rewards=["toy"], generator_id="g1")
+    from streamforge.metrics import configure_metrics
+
+    cfg = configure(run_config, model_dir, group_size=4, max_tokens=8, rewards=["toy"], generator_id="g1",
+                    metrics_every_s=0.5)
     prompts = [p for _, p in zip(range(6), toy_prompts("addmod10", seed=11))]
     await feed(cfg, prompts)
+    configure_metrics("generator-g1", cfg.run_dir, ["jsonl"])
     role = GeneratorRole(cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
-    async with Tail(cfg, cfg.names.episodes, Episode) as tail:
-        records = await tail.until(lambda rs: len(rs) >= 24, 90, "24 episodes", task)
-    await stop_role(stop, task)
+    try:
+        async with Tail(cfg, cfg.names.episodes, Episode) as tail:
+            records = await tail.until(lambda rs: len(rs) >= 24, 90, "24 episodes", task)
+        await stop_role(stop, task)
+    finally:
+        configure_metrics("", None, [])
+
+    # metrics rows (record_metric): rates, counts and the engine's version; the last one, at drain, is final
+    rows = [orjson.loads(x) for x in (cfg.run_dir / "metrics-generator-g1.jsonl").read_bytes().splitlines()]
+    assert rows and rows[-1]["generator/episodes"] == 24 and rows[-1]["generator/prompts"] == 6
+    assert rows[-1]["generator/policy_version"] == 0 and rows[-1]["generator/in_flight"] == 0
+    assert any(r["generator/tokens_per_s"] > 0 for r in rows)
+    assert any("generator/reward_mean" in r and 0 <= r["generator/reward_mean"] <= 1 for r in rows)
+    assert any(r.get("generator/response_tokens", 0) >= 1 for r in rows)
 
     episodes = [r.value for r in records]
     assert all(r.error is None for r in records)
