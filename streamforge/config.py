@@ -103,10 +103,16 @@ class UpConfig:
     restart: bool = False  # restart a child that dies instead of stopping the run
     drain_timeout_s: float = 20.0
     max_wall_s: float = 0.0  # >0: stop the whole run (gracefully) after this many seconds
+    live: str = "auto"  # progress view: "auto" (rich table on a terminal, lines otherwise) | "table" | "lines"
+    lag_every_s: float = 10.0  # how often the view reads consumer lag from Kafka; 0 = never
 
     def __post_init__(self) -> None:
         if self.generators < 0 or self.buffers < 1:
             raise ConfigError("up.generators", "needs generators >= 0 and buffers >= 1")
+        if self.live not in ("auto", "table", "lines"):
+            raise ConfigError("up.live", "must be auto, table or lines")
+        if self.lag_every_s < 0:
+            raise ConfigError("up.lag_every_s", "must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -87,21 +87,47 @@ async def _stop_children(children: list[Child], timeout_s: float) -> None:
             c.signal(signal.SIGKILL)
 
 
-def _progress_line(run_dir: Path, seen: int) -> tuple[str | None, int]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None, seen
-    lines = path.read_bytes().splitlines()
-    if len(lines) <= seen:
-        return None, seen
-    try:
-        row = orjson.loads(lines[-1])
-    except orjson.JSONDecodeError:
-        return None, seen
-    text = (f"step {row.get('step')}  version {row.get('policy_version')}  reward {row.get('reward_mean', 0):.3f}  "
-            f"loss {row.get('loss', 0):.4f}  staleness {row.get('staleness_mean', 0):.2f}  "
-            f"t {row.get('time_s', 0):.0f}s")
-    return text, len(lines)
+class ProgressView:
+    """The live progress of ``up`` (``streamforge/progress.py``): a rich table redrawn in place on a terminal
+    (``up.live: auto|table``), else one line per new trainer step (``lines``, and whenever stdout is a pipe)."""
+
+    def __init__(self, config: Any) -> None:
+        from streamforge.progress import Lag
+
+        self.run_dir = config.run_dir
+        mode = config.up.live
+        self.table = mode == "table" or (mode == "auto" and sys.stdout.isatty())
+        self.lag = Lag(config, config.up.lag_every_s) if config.up.lag_every_s > 0 else None
+        self.live: Any = None
+        self.step = 0
+
+    def start(self) -> None:
+        if self.lag is not None:
+            self.lag.start()
+        if self.table:
+            from rich.live import Live
+
+            from streamforge.progress import Snapshot, progress_table
+
+            self.live = Live(progress_table(Snapshot()), refresh_per_second=2, transient=False)
+            self.live.start()
+
+    def refresh(self) -> None:
+        from streamforge.progress import progress_line, progress_table, read_snapshot
+
+        snap = read_snapshot(self.run_dir, self.lag.value if self.lag is not None else None)
+        if self.live is not None:
+            self.live.update(progress_table(snap))
+        elif snap.trainer is not None and snap.step != self.step:
+            self.step = snap.step
+            print(progress_line(snap), flush=True)
+
+    async def stop(self) -> None:
+        if self.lag is not None:
+            await self.lag.stop()
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
 
 
 async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int:
@@ -140,6 +166,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
     code = 0
+    view: ProgressView | None = None
     try:
         config.kafka.bootstrap, config.nats.url = kafka, nats_url
         await ensure_topics(config.kafka, config.names, config.topics)
@@ -189,7 +216,8 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         for c in children:
             c.start()
         print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
-        seen = 0
+        view = ProgressView(config)
+        view.start()
         waiter = asyncio.ensure_future(stop.wait())
         started = time.monotonic()
         while not stop.is_set():
@@ -197,9 +225,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                 print(f"wall-clock budget of {config.up.max_wall_s:.0f} s reached; stopping", flush=True)
                 break
             await asyncio.wait([waiter], timeout=1.0)
-            line, seen = _progress_line(run_dir, seen)
-            if line:
-                print(line, flush=True)
+            view.refresh()
             rc = trainer.poll()
             if rc == 0:
                 print("trainer finished", flush=True)
@@ -220,6 +246,8 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                 break
         waiter.cancel()
     finally:
+        if view is not None:
+            await view.stop()
         await _stop_children(children, config.up.drain_timeout_s)
         if code == 0 and children:
             await _finish(config)
