@@ -97,12 +97,13 @@ def rl_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loss_fn: LossFn
 
 
 def sft_step(model: nn.Module, opt: torch.optim.Optimizer, sched, input_ids: torch.Tensor, mask: torch.Tensor, *,
-             grad_clip: float = 1.0) -> dict[str, float]:
-    """One supervised step: mean NLL of the completion tokens (``mask``), aligned like RL batches."""
+             grad_clip: float = 1.0, loss_fn=sft_loss) -> dict[str, float]:
+    """One supervised step: mean NLL of the completion tokens (``mask``), aligned like RL batches. ``loss_fn``
+    (``logprobs, mask -> loss, metrics``): a data-parallel share of it (``consumers.engine``)."""
     t0 = time.perf_counter()
     model.train()
     logprobs, _ = token_logprobs(model, input_ids)
-    loss, metrics = sft_loss(logprobs, mask)
+    loss, metrics = loss_fn(logprobs, mask)
     lr = float(sched.get_last_lr()[0])
     grad_norm, ok = _apply(model, opt, sched, loss, grad_clip)
     metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(mask.sum().item()), skipped=float(not ok),
