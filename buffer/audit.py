@@ -14,6 +14,10 @@ Everything is counted in distinct episode ids (delivery is at-least-once, so a r
 * ``batched_and_dropped``: ids with both outcomes; ``in_two_batches``: ids in two batches with different ids;
 * ``trained``: distinct ids of the batches named in the ledger; ``trained_twice``: ids trained in more than one
   optimizer step (two different batch ids holding it, or one batch id trained twice);
+* ``refused_batches``: distinct batch ids the trainer dead-lettered as ``already_trained`` (a zombie buffer's batch
+  holding episodes it had trained, ``consumers/ledger.py``); ``refused_episodes``: distinct ids in them; and
+  ``in_two_batches_refused``: of the ``in_two_batches`` ids, those whose other batches were all refused or never
+  trained, i.e. trained at most once;
 * ``reconciles``: ``produced == batched + sum(dropped except duplicate, malformed)`` with nothing lost,
   nothing both batched and dropped, and nothing decided that was never produced.
 """
@@ -27,8 +31,11 @@ from typing import Any
 
 import orjson
 
+from consumers.ledger import ALREADY_TRAINED
 from streamforge.config import RunConfig
+from topics import codec
 from topics.admin import read_topic
+from topics.errors import CodecError
 from topics.schemas import Batch, DeadLetter, DropRecord, Episode
 
 NOT_DECISIONS = ("duplicate", "malformed")
@@ -57,9 +64,11 @@ def reconcile(
     *,
     malformed: int = 0,
     ledger: list[dict[str, Any]] | None = None,
+    refused: Iterable[tuple[str, list[str]]] = (),
 ) -> dict[str, Any]:
     """The audit as a pure function: ``episode_ids`` per record (None = undecodable), ``batches`` as
-    ``(batch_id, episode_ids)``, ``drops`` as ``(reason, episode_ids)``, the ledger's lines."""
+    ``(batch_id, episode_ids)``, ``drops`` as ``(reason, episode_ids)``, the ledger's lines, and the batches the
+    trainer refused as already trained, as ``(batch_id, episode_ids)``."""
     records = 0
     produced: set[str] = set()
     undecodable = 0
@@ -108,6 +117,14 @@ def reconcile(
             ids |= members
         trained_steps.update(ids)
     trained_twice = {e for e, n in trained_steps.items() if n > 1}
+    refused_members: dict[str, set[str]] = {}
+    for batch_id, ids in refused:
+        refused_members.setdefault(batch_id, set()).update(ids)
+    refused_ids: set[str] = set().union(*refused_members.values()) if refused_members else set()
+    trained_batches = {b for line in ledger or [] for b in line.get("batch_ids", [])}
+    in_two_refused = {e for e in in_two
+                      if sum(1 for b in batches_of[e] if b in trained_batches and b not in refused_members) <= 1
+                      and any(b in refused_members for b in batches_of[e])}
     decided_total = len(batched) + sum(len(v) for v in by_reason.values())
     return {
         "records": records,
@@ -126,6 +143,9 @@ def reconcile(
         "trained": len(trained_steps),
         "trained_twice": len(trained_twice),
         "trained_unknown_batches": len(unknown_batches),
+        "refused_batches": len(refused_members),
+        "refused_episodes": len(refused_ids),
+        "in_two_batches_refused": len(in_two_refused),
         "reconciles": not lost and not both and not unknown and decided_total == len(produced),
         "samples": {
             "lost": sorted(lost)[:SAMPLE],
@@ -144,12 +164,21 @@ async def run_audit(config: RunConfig) -> dict[str, Any]:
     drops = await read_topic(kafka, names.drops, expect=DropRecord)
     dead = await read_topic(kafka, names.dead_letter, expect=DeadLetter)
     malformed = sum(1 for r in dead if r.value is not None and r.value.source == names.episodes)
+    refused = []
+    for r in dead:
+        if r.value is not None and r.value.source == names.batches and r.value.reason == ALREADY_TRAINED:
+            try:
+                batch = codec.decode(r.value.value, expect=Batch)
+            except CodecError:
+                continue  # truncated by the dead-letter size cap: its detail still names it
+            refused.append((batch.batch_id, batch.episode_ids))
     result = reconcile(
         (r.value.episode_id if r.value is not None else None for r in episodes),
         ((r.value.batch_id, r.value.episode_ids) for r in batches if r.value is not None),
         ((r.value.reason, r.value.episode_ids) for r in drops if r.value is not None),
         malformed=malformed,
         ledger=read_ledger(config.run_dir / "trainer" / "ledger.jsonl"),
+        refused=refused,
     )
     result["undecodable_outputs"] = sum(1 for r in (*batches, *drops) if r.value is None)
     result["prefix"] = names.prefix

@@ -30,7 +30,7 @@ from opentelemetry import trace
 
 from consumers.checkpoint import CheckpointMeta
 from consumers.engine import EXPORT, PUBLISH, QUIT, Commander, TrainEngine, follow, model_dir_for, staleness
-from consumers.ledger import JsonlAppender, Ledger, truncate_metrics_after
+from consumers.ledger import ALREADY_TRAINED, JsonlAppender, Ledger, TrainedEpisodes, truncate_metrics_after
 from consumers.parallel import Dist, close_distributed, init_distributed
 from consumers.sft import collate_sft
 from streamforge.lifecycle import Service
@@ -72,6 +72,8 @@ class TrainerRole(Service):
         self.version = 0
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicates = 0
+        self.trained_episodes = TrainedEpisodes(self.cfg.dedup_window)  # refuses a zombie buffer's batch
+        self.refused = 0
         self._since_publish: list[str] = []
         self._rewards: collections.deque[float] = collections.deque(maxlen=self.cfg.reward_window)
         self._checkpointed_step = -1
@@ -123,6 +125,7 @@ class TrainerRole(Service):
         if removed:
             log.info("ledger: %d steps after the checkpoint will be trained again", removed)
         self.ledger = Ledger(self.run_dir)
+        self.trained_episodes.load(Ledger.read(self.run_dir))
         self.metrics_out = JsonlAppender(self.run_dir / "metrics.jsonl")
         if self.cfg.mode == "sft":
             from producers.tiny_model import load_tokenizer
@@ -235,10 +238,16 @@ class TrainerRole(Service):
                 for rec in records:
                     self.source.advance(rec)
                 continue
-            problem = self._unusable(batch)
+            again = self.trained_episodes.trained(batch.episode_ids) if self.cfg.mode == "rl" else {}
+            problem = self._unusable(batch) if not again else (
+                f"batch {batch.batch_id}: {len(again)} of its {len(batch.episode_ids)} episodes were already "
+                f"trained (e.g. {min(again)} at step {again[min(again)]}): a batch of a zombie buffer")
             if problem:
+                self.refused += bool(again)
+                log.warning("%s", problem)
                 for rec in records:
-                    await self.source.dead_letters.send(rec, reason="invalid", detail=problem)
+                    await self.source.dead_letters.send(rec, reason=ALREADY_TRAINED if again else "invalid",
+                                                        detail=problem)
                     self.source.advance(rec)
                 continue
             self._idle.clear()
@@ -297,7 +306,9 @@ class TrainerRole(Service):
         self.recent[batch.batch_id] = None
         while len(self.recent) > self.cfg.dedup_window:
             self.recent.popitem(last=False)
-        self.ledger.record(step=self.step, policy_version=self.version, batch_ids=[batch.batch_id])
+        self.ledger.record(step=self.step, policy_version=self.version, batch_ids=[batch.batch_id],
+                           episode_ids=batch.episode_ids)
+        self.trained_episodes.add(self.step, batch.episode_ids)
         self._since_publish.append(batch.batch_id)
         reward = float(np.mean(batch.rewards)) if len(batch.rewards) else 0.0
         if self.cfg.mode == "rl":
@@ -307,7 +318,8 @@ class TrainerRole(Service):
                "time": time.time(), "reward_mean": reward, "loss": metrics.get("loss", 0.0),
                "staleness_mean": staleness(batch, self.version), "episodes": len(batch.episode_ids),
                "tokens_per_s": metrics.get("tokens", 0.0) / max(elapsed, 1e-9), "batch_id": batch.batch_id,
-               "duplicates": self.duplicates, **{k: v for k, v in metrics.items() if k not in ("loss",)},
+               "duplicates": self.duplicates, "refused_batches": self.refused,
+               **{k: v for k, v in metrics.items() if k not in ("loss",)},
                **self._buffer_drops(batch)}
         self.metrics_out.append(row)
         _record(row, self.step)

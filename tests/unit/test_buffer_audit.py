@@ -45,3 +45,36 @@ def test_read_ledger_ignores_a_torn_last_line(tmp_path):
     assert read_ledger(path) is None
     path.write_text('{"step": 1, "policy_version": 1, "batch_ids": ["B1"], "time": 1.0}\n{"step": 2, "batch')
     assert read_ledger(path) == [{"step": 1, "policy_version": 1, "batch_ids": ["B1"], "time": 1.0}]
+
+
+def test_zombie_batch_refused_by_the_trainer_is_counted_and_not_trained_twice():
+    eps = ["a/0", "a/1", "b/0", "b/1"]
+    # the live owner's B1, then a zombie's Z holding a/0 a/1 again (different id): the trainer refused Z
+    batches = [("B1", ["a/0", "a/1", "b/0", "b/1"]), ("Z", ["a/0", "a/1"])]
+    out = reconcile(eps, batches, [], ledger=ledger(["B1"]), refused=[("Z", ["a/0", "a/1"])])
+    assert out["in_two_batches"] == 2 and out["in_two_batches_refused"] == 2
+    assert out["refused_batches"] == 1 and out["refused_episodes"] == 2
+    assert out["trained"] == 4 and out["trained_twice"] == 0 and out["reconciles"]
+    # without the trainer's refusal (Z trained too) the same topics show a/0 and a/1 trained twice
+    out = reconcile(eps, batches, [], ledger=ledger(["B1"], ["Z"]))
+    assert out["trained_twice"] == 2 and out["refused_batches"] == 0 and out["in_two_batches_refused"] == 0
+
+
+def test_trained_episodes_window_and_rebuild_from_ledger(tmp_path):
+    from consumers.ledger import Ledger, TrainedEpisodes
+
+    led = Ledger(tmp_path)
+    led.record(step=1, policy_version=0, batch_ids=["B1"], episode_ids=["a/0", "a/1"])
+    led.record(step=2, policy_version=1, batch_ids=["B2"], episode_ids=["b/0", "b/1"])
+    led.record(step=3, policy_version=2, batch_ids=["B3"], episode_ids=["c/0"])
+    led.close()
+    rows = Ledger.read(tmp_path)
+    assert rows[0]["episode_ids"] == ["a/0", "a/1"] and rows[0]["batch_ids"] == ["B1"]
+    seen = TrainedEpisodes(window=2)
+    seen.load(rows)  # the last two steps only
+    assert seen.trained(["a/0", "b/1", "c/0", "x"]) == {"b/1": 2, "c/0": 3}
+    seen.add(4, ["d/0"])  # step 2 leaves the window
+    assert seen.trained(["b/0", "c/0", "d/0"]) == {"c/0": 3, "d/0": 4} and len(seen) == 2
+    old = TrainedEpisodes(window=5)
+    old.load([{"step": 1, "batch_ids": ["B1"]}])  # a ledger line written before episode ids were recorded
+    assert len(old) == 0
