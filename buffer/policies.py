@@ -20,6 +20,11 @@ Filters (each counted by its reason, see ``Reason``):
 * ``zero_variance``: a group whose kept episodes all have the same shaped reward (DAPO dynamic sampling), which
   includes a group left with fewer than two episodes: it carries no learning signal for any advantage above.
 
+Layout (``batching``): ``pad`` puts one episode per row, right-padded to the longest; ``pack`` places whole
+episodes into rows of ``pack_row_tokens`` (0: the longest episode) first-fit by decreasing length (ties by batch
+order, so the layout is deterministic), several per row, with ``segment_ids`` and ``position_ids`` telling the
+trainer where each sequence starts (``topics/schemas.py``).
+
 Batching never splits a group. ``plan_batches`` takes groups in the given order and cuts a batch after
 ``groups_per_batch`` groups, or, with a token budget, before the group that would push the batch's cost over the
 budget (cost = rows x longest row when ``budget_count == "padded"``, the sum of row lengths when ``"tokens"``). A
@@ -237,6 +242,26 @@ def plan_batches(
     return batches, current
 
 
+def pack_rows(lengths: Sequence[int], row_tokens: int) -> list[list[int]]:
+    """Indices of ``lengths`` placed into rows of ``row_tokens``: first fit, longest first (ties by index).
+
+    A sequence longer than ``row_tokens`` gets a row of its own (the caller widens the rows to fit it).
+    """
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        n = lengths[i]
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(row_tokens - n)
+    return rows
+
+
 def build_batch(
     groups: Sequence[ScoredGroup],
     *,
@@ -244,17 +269,24 @@ def build_batch(
     pad_to_multiple: int = 1,
     buffer_id: str = "",
     created_at: float | None = None,
+    pack_row_tokens: int | None = None,
 ) -> Batch:
     """Lay out groups as a ``Batch`` (conventions in ``topics/schemas.py``).
 
     Row ``b`` is ``prompt + response`` right-padded with ``pad_token_id`` to ``T`` (the longest row rounded up to
     ``pad_to_multiple``). ``loss_mask`` is 1 exactly at response positions, ``old_logprobs`` holds the behaviour
     logprob of the token at that position (0 elsewhere), ``token_versions`` the version that sampled it (-1
-    elsewhere). ``group_ids`` has one entry per row. ``rewards`` are the raw episode rewards.
+    elsewhere). ``group_ids`` has one entry per episode. ``rewards`` are the raw episode rewards.
+
+    With ``pack_row_tokens`` (not None) the batch is packed instead (module docstring): rows of that many tokens
+    (0: the longest episode; at least the longest, rounded up to ``pad_to_multiple``).
     """
     episodes = [e for g in groups for e in g.episodes]
     if not episodes:
         raise ValueError("a batch needs at least one episode")
+    if pack_row_tokens is not None:
+        return _packed(groups, episodes, pack_row_tokens, pad_token_id=pad_token_id,
+                       pad_to_multiple=pad_to_multiple, buffer_id=buffer_id, created_at=created_at)
     lengths = [len(e.prompt_tokens) + len(e.response_tokens) for e in episodes]
     t = max(lengths)
     if pad_to_multiple > 1:
@@ -301,6 +333,87 @@ def build_batch(
         rewards=rewards,
         prompt_lens=prompt_lens,
         seq_lens=np.asarray(lengths, dtype=np.int32),
+        pad_token_id=pad_token_id,
+        buffer_id=buffer_id,
+        stats=stats,
+        **kwargs,
+    )
+
+
+def _packed(groups: Sequence[ScoredGroup], episodes: list[Episode], row_tokens: int, *, pad_token_id: int,
+            pad_to_multiple: int, buffer_id: str, created_at: float | None) -> Batch:
+    """``build_batch``'s packed layout: rows of ``row_tokens`` (see the module docstring), one concatenate per
+    field over the pieces of every row."""
+    plens = [len(e.prompt_tokens) for e in episodes]
+    rlens = [len(e.response_tokens) for e in episodes]
+    lengths = [p + r for p, r in zip(plens, rlens)]
+    t = max(row_tokens, max(lengths))
+    if pad_to_multiple > 1:
+        t = -(-t // pad_to_multiple) * pad_to_multiple
+    rows = pack_rows(lengths, t)
+    pad = np.full(t, pad_token_id, dtype=np.int32)
+    zeros = np.zeros(t, dtype=np.float32)
+    minus = np.full(t, -1, dtype=np.int32)
+    arange = np.arange(t, dtype=np.int32)
+    ids_parts: list[np.ndarray] = []
+    lp_parts: list[np.ndarray] = []
+    ver_parts: list[np.ndarray] = []
+    mask_parts: list[np.ndarray] = []
+    seg_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
+    ones = np.ones(t, dtype=np.uint8)
+    zeros8 = np.zeros(t, dtype=np.uint8)
+    for row in rows:
+        used = 0
+        for i in row:
+            e, p, r = episodes[i], plens[i], rlens[i]
+            ids_parts += (e.prompt_tokens, e.response_tokens)
+            lp_parts += (zeros[:p], e.logprobs)
+            ver_parts += (minus[:p], e.token_versions)
+            mask_parts += (zeros8[:p], ones[:r])
+            seg_parts.append(np.full(p + r, i, dtype=np.int32))
+            pos_parts.append(arange[:p + r])
+            used += p + r
+        if used < t:
+            ids_parts.append(pad[:t - used])
+            lp_parts.append(zeros[:t - used])
+            ver_parts.append(minus[:t - used])
+            mask_parts.append(zeros8[:t - used])
+            seg_parts.append(minus[:t - used])
+            pos_parts.append(np.zeros(t - used, dtype=np.int32))
+    n_rows = len(rows)
+    rewards = np.asarray([e.reward for e in episodes], dtype=np.float32)
+    r = rewards.tolist()
+    b = len(episodes)
+    mean = math.fsum(r) / b
+    versions = np.concatenate([e.token_versions for e in episodes])
+    stats = {
+        "groups": float(len(groups)),
+        "episodes": float(b),
+        "rows": float(n_rows),
+        "reward_mean": mean,
+        "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in r) / b),
+        "response_len_mean": sum(rlens) / b,
+        "padding_fraction": float(1.0 - sum(lengths) / (n_rows * t)),
+        "min_version": float(versions.min()) if versions.size else -1.0,
+        "max_version": float(versions.max()) if versions.size else -1.0,
+    }
+    ids = [e.episode_id for e in episodes]
+    kwargs = {} if created_at is None else {"created_at": created_at}
+    return Batch(
+        batch_id=batch_id_of(ids),
+        episode_ids=ids,
+        group_ids=[g.group_id for g in groups for _ in g.episodes],
+        input_ids=np.concatenate(ids_parts).reshape(n_rows, t),
+        loss_mask=np.concatenate(mask_parts).reshape(n_rows, t),
+        old_logprobs=np.concatenate(lp_parts).reshape(n_rows, t),
+        token_versions=np.concatenate(ver_parts).reshape(n_rows, t),
+        advantages=np.concatenate([g.advantages for g in groups]).astype(np.float32),
+        rewards=rewards,
+        prompt_lens=np.asarray(plens, dtype=np.int32),
+        seq_lens=np.asarray(lengths, dtype=np.int32),
+        segment_ids=np.concatenate(seg_parts).reshape(n_rows, t),
+        position_ids=np.concatenate(pos_parts).reshape(n_rows, t),
         pad_token_id=pad_token_id,
         buffer_id=buffer_id,
         stats=stats,

@@ -24,13 +24,18 @@ Delivery and crash safety:
   the committed offset comes back partial (dropped as ``incomplete`` after its timeout, or batched partially
   with ``incomplete_policy="complete"``), batch boundaries can shift, and time-based cuts (``max_batch_wait_s``,
   group timeouts, staleness against a newer version) differ between runs. Such an episode ends up in two
-  batches with different ids: the audit reports it as ``in_two_batches``, and as ``trained_twice`` only if the
-  trainer trained both. This is why the recovery scan, not the batch_id, is the guarantee.
+  batches with different ids: the audit reports it as ``in_two_batches``.
+* Last line, for those: the trainer refuses a batch holding an episode it already trained (``TrainedEpisodes`` in
+  ``consumers/ledger.py``; dead-lettered as ``already_trained``), so no episode is trained twice whatever a
+  zombie publishes. Fencing the zombie before it publishes is not possible here: without transactions (Tansu has
+  none) a generation check and the publish cannot be made atomic.
 * On a rebalance the revoked partitions' in-flight publishes finish (the revoke callback waits for the loop's
   lock) before their state is dropped, so the new owner's recovery scan sees them.
 
 Throughput: decisions are handed to the producer without waiting for their acknowledgements (``_settle`` marks
-them decided as acks arrive, in order); offsets are committed at most every ``commit_interval_s``.
+them decided as acks arrive, in order); offsets are committed at most every ``commit_interval_s``; the producer's
+record batches hold ``output_batch_bytes`` (several Batches per request: aiokafka has one request in flight per
+broker, one record batch per partition in it).
 
 Trainer behind (``max_batches_ahead > 0``): at most that many batches are published beyond the step of the
 latest PolicyVersion; complete groups wait scored in memory (re-checked for staleness as versions move) and the
@@ -133,7 +138,8 @@ class BufferRole(Service):
     async def _start(self) -> None:
         kafka = self.config.kafka
         out_cfg = dataclasses.replace(kafka, compression=self.cfg.output_compression or kafka.compression)
-        self.producer = Producer(out_cfg, client_id=f"buffer-{self.buffer_id}")
+        self.producer = Producer(out_cfg, client_id=f"buffer-{self.buffer_id}",
+                                 max_batch_bytes=self.cfg.output_batch_bytes)
         await self.producer.start()
         self.dead = DeadLetters(self.producer, self.names, "buffer")
         self._nc = await connect(self.config.nats, name=f"buffer-{self.buffer_id}")
@@ -219,13 +225,19 @@ class BufferRole(Service):
         Waits on the KV watch; unblocked by each write of a new version. Runs until cancelled.
         """
         assert self.store is not None
-        async for pv in self.store.watch():
+        async for pv in self.store.watch(on_bad=self._dead_letter_value):
             if self.latest_version is None or pv.version > self.latest_version:
                 self.latest_version = pv.version
                 if record_metric is not None:
                     record_metric("buffer/latest_version", pv.version, "max")
             self.trained_steps = max(self.trained_steps, pv.step)
         raise RuntimeError("the policy-version watch ended")
+
+    async def _dead_letter_value(self, source: str, value: bytes, exc: Exception) -> None:
+        """A NATS value this buffer cannot read (the KV's latest version): dead-lettered with its reason."""
+        assert self.dead is not None
+        await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc))
+        self.counters["bad_nats_values"] = self.counters.get("bad_nats_values", 0) + 1
 
     async def _fence_loop(self) -> None:
         """Follows the fencing record (KV key ``fenced``, written by the trainer's weight publisher) for the

@@ -373,7 +373,8 @@ class BufferState:
 
     def _batch(self, partition: int, part: _Partition, groups: list[ScoredGroup]) -> Decision:
         batch = build_batch(groups, pad_token_id=self.cfg.pad_token_id, pad_to_multiple=self.cfg.pad_to_multiple,
-                            buffer_id=self.buffer_id)
+                            buffer_id=self.buffer_id,
+                            pack_row_tokens=self.cfg.pack_row_tokens if self.cfg.batching == "pack" else None)
         held = [h for g in groups for h in part.ready_held.pop(g.group_id)]
         return Decision(
             kind="batch", partition=partition, episode_ids=batch.episode_ids, offsets=[h.offset for h in held],

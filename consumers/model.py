@@ -9,7 +9,8 @@ permutation between HF's rotate-half RoPE and torchtitan's complex RoPE.
 Choices that keep parity with vLLM and transformers (measured, see FACTS): no RoPE scaling unless the HF config
 asks for it, the HF ``rms_norm_eps`` on every norm, untied unless ``tie_word_embeddings``, and plain causal SDPA
 as inner attention (FlexAttention has no CPU backward). Rows are right-padded, so causal attention never lets a
-real token see padding. QKV projections are not fused, so state-dict keys are exactly the adapter's keys.
+real token see padding; packed rows get a block-diagonal causal mask and per-sequence positions
+(``token_logprobs``). QKV projections are not fused, so state-dict keys are exactly the adapter's keys.
 """
 
 from __future__ import annotations
@@ -241,15 +242,27 @@ def export_hf(policy: Policy, out_dir: str | Path, source_dir: str | Path | None
 
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: float = 1.0,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, position_ids: torch.Tensor | None = None,
+                   segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities aligned with the Batch convention (``topics/schemas.py``).
 
     ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``t >= 1`` and ``out[b, 0] = 0``: the model's
     ``logits[:, :-1]`` scored against ``input_ids[:, 1:]``, placed at ``[:, 1:]``, so ``out`` lines up with
     ``old_logprobs`` and ``loss_mask``. With ``with_entropy`` also returns the per-token entropy of the
     predictive distribution, aligned the same way.
+
+    Packed rows (``segment_ids`` and ``position_ids``, ``[R, T]``): a token attends only to the earlier tokens of
+    its own segment (a block-diagonal causal mask, ``segment_mask``), RoPE uses ``position_ids`` (restarting at 0
+    in each segment), and ``out`` is 0 at each segment's first token (nothing of its own before it), so each
+    segment scores exactly as it would alone in a padded row.
     """
-    logits = model(input_ids.long())
+    if segment_ids is None:
+        logits = model(input_ids.long())
+    else:
+        if position_ids is None:
+            raise ValueError("packed rows need position_ids with segment_ids")
+        _allow_dense_masks(model)
+        logits = model(input_ids.long(), position_ids.long(), segment_mask(segment_ids))
     logits = logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -261,7 +274,60 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
     if with_entropy:
         ent = -(logp_all.exp() * logp_all).sum(-1)
         ent = torch.nn.functional.pad(ent, (1, 0))
+    if segment_ids is not None:  # a segment's first token is scored from another segment's last: not a logprob
+        first = torch.ones_like(segment_ids, dtype=torch.bool)
+        first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+        out = out.masked_fill(first, 0.0)
+        ent = ent.masked_fill(first, 0.0) if ent is not None else None
     return out, ent
+
+
+def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[R, 1, T, T]`` boolean attention mask (True = may attend): query ``i`` sees key ``j <= i`` of the same
+    segment. Padding (``-1``) is a segment of its own, so no query row is empty (SDPA would give NaN)."""
+    t = segment_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(-1) == segment_ids.unsqueeze(-2)
+    return (same & causal).unsqueeze(1)
+
+
+def _allow_dense_masks(model: nn.Module) -> None:
+    """Let the model's plain causal SDPA inner attentions take a dense boolean mask (``segment_mask``).
+
+    torchtitan's ``ScaledDotProductAttention`` refuses ``attention_masks``; its subclass here passes one to SDPA
+    as ``attn_mask`` (and is unchanged without one). Swapped in place once per module: it holds no state.
+    """
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for module in model.modules():
+        if type(module) is ScaledDotProductAttention:
+            module.__class__ = _masked_sdpa_class()
+
+
+_MASKED_SDPA: type | None = None
+
+
+def _masked_sdpa_class() -> type:
+    global _MASKED_SDPA
+    if _MASKED_SDPA is None:
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        class MaskedSDPA(ScaledDotProductAttention):
+            """Causal SDPA, or SDPA under a dense boolean ``attention_masks`` ``[B, 1, L, L]`` when given."""
+
+            def forward(self, q_BLNH: torch.Tensor, k_BLNH: torch.Tensor, v_BLNH: torch.Tensor, *,
+                        attention_masks: Any = None, scale: float | None = None, enable_gqa: bool = False,
+                        is_causal: bool = True, **kwargs: Any) -> torch.Tensor:
+                if attention_masks is None:
+                    return super().forward(q_BLNH, k_BLNH, v_BLNH, scale=scale, enable_gqa=enable_gqa,
+                                           is_causal=is_causal, **kwargs)
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2), v_BLNH.transpose(1, 2),
+                    attn_mask=attention_masks, scale=scale, enable_gqa=enable_gqa)
+                return out.transpose(1, 2)
+
+        _MASKED_SDPA = MaskedSDPA
+    return _MASKED_SDPA
 
 
 def describe(policy: Policy) -> dict[str, Any]:

@@ -22,33 +22,86 @@ from topics.schemas import Batch
 
 @dataclass(slots=True)
 class StepInputs:
-    """A batch as training tensors (all ``[B, T]`` except ``advantages`` ``[B]``)."""
+    """A batch as training tensors: ``mask``, ``old_logprobs`` ``[B, T]`` per episode, ``advantages`` ``[B]``.
+
+    Padded batches: ``input_ids`` is ``[B, T]`` too. Packed batches (``topics/schemas.py``): the model runs on the
+    packed rows, ``input_ids``, ``position_ids`` and ``segment_ids`` ``[R, W]``; ``per_episode`` maps what
+    ``token_logprobs`` returns for those rows back to the ``[B, T]`` episode layout (``unpack_index`` holds each
+    episode token's flat index into the rows, ``unpack_valid`` where an episode has a token), so every loss sees
+    the same tensors whichever layout the buffer chose.
+    """
 
     input_ids: torch.Tensor
     mask: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+    unpack_index: torch.Tensor | None = None
+    unpack_valid: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
         return int(self.mask.sum().item())
 
+    def per_episode(self, rows: torch.Tensor | None) -> torch.Tensor | None:
+        """``[R, W]`` values of the packed rows as ``[B, T]`` per episode (zeros past each episode); identity when
+        the batch is padded."""
+        if rows is None or self.unpack_index is None:
+            return rows
+        out = rows.reshape(-1)[self.unpack_index.reshape(-1)].reshape(self.unpack_index.shape)
+        return torch.where(self.unpack_valid, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
 
 def trim_width(batch: Batch) -> int:
     """The number of columns that hold any real token (drop all-padding tail columns)."""
+    if batch.packed:
+        return int(max(int((batch.segment_ids >= 0).sum(axis=1).max()), 2))
     if len(batch.seq_lens):
         return int(max(int(batch.seq_lens.max()), 2))
     return batch.input_ids.shape[1]
 
 
+def _tensor(x: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype, device=device)
+
+
 def batch_inputs(batch: Batch, device: torch.device | str = "cpu") -> StepInputs:
     t = min(trim_width(batch), batch.input_ids.shape[1])
+    if batch.packed:
+        return _packed_inputs(batch, t, device)
     return StepInputs(
-        input_ids=torch.as_tensor(np.ascontiguousarray(batch.input_ids[:, :t]), dtype=torch.long, device=device),
-        mask=torch.as_tensor(np.ascontiguousarray(batch.loss_mask[:, :t]), dtype=torch.float32, device=device),
-        old_logprobs=torch.as_tensor(np.ascontiguousarray(batch.old_logprobs[:, :t]), dtype=torch.float32,
-                                     device=device),
-        advantages=torch.as_tensor(np.ascontiguousarray(batch.advantages), dtype=torch.float32, device=device),
+        input_ids=_tensor(batch.input_ids[:, :t], torch.long, device),
+        mask=_tensor(batch.loss_mask[:, :t], torch.float32, device),
+        old_logprobs=_tensor(batch.old_logprobs[:, :t], torch.float32, device),
+        advantages=_tensor(batch.advantages, torch.float32, device),
+    )
+
+
+def _packed_inputs(batch: Batch, w: int, device: torch.device | str) -> StepInputs:
+    seg = np.ascontiguousarray(batch.segment_ids[:, :w])
+    pos = np.ascontiguousarray(batch.position_ids[:, :w])
+    flat_seg = seg.ravel()
+    idx = np.flatnonzero(flat_seg >= 0)
+    episode, at = flat_seg[idx], pos.ravel()[idx]
+    b, t = len(batch.episode_ids), max(int(batch.seq_lens.max()), 2)
+    unpack = np.zeros((b, t), dtype=np.int64)
+    valid = np.zeros((b, t), dtype=bool)
+    unpack[episode, at] = idx
+    valid[episode, at] = True
+    mask = np.zeros((b, t), dtype=np.float32)
+    old = np.zeros((b, t), dtype=np.float32)
+    mask[episode, at] = batch.loss_mask[:, :w].ravel()[idx]
+    old[episode, at] = batch.old_logprobs[:, :w].ravel()[idx]
+    return StepInputs(
+        input_ids=_tensor(batch.input_ids[:, :w], torch.long, device),
+        mask=_tensor(mask, torch.float32, device),
+        old_logprobs=_tensor(old, torch.float32, device),
+        advantages=_tensor(batch.advantages, torch.float32, device),
+        position_ids=_tensor(pos, torch.long, device),
+        segment_ids=_tensor(seg, torch.long, device),
+        unpack_index=_tensor(unpack, torch.long, device),
+        unpack_valid=_tensor(valid, torch.bool, device),
     )
 
 
@@ -80,11 +133,13 @@ def rl_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loss_fn: LossFn
     """One policy-gradient step on a whole batch; returns the loss metrics plus grad_norm, lr, tokens, time."""
     t0 = time.perf_counter()
     model.train()
-    logprobs, entropy = token_logprobs(model, inputs.input_ids, temperature=temperature, with_entropy=True)
+    packing = {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids}
+    logprobs, entropy = token_logprobs(model, inputs.input_ids, temperature=temperature, with_entropy=True, **packing)
+    logprobs, entropy = inputs.per_episode(logprobs), inputs.per_episode(entropy)
     ref = None
     if ref_model is not None:
         with torch.no_grad():
-            ref, _ = token_logprobs(ref_model, inputs.input_ids, temperature=temperature)
+            ref = inputs.per_episode(token_logprobs(ref_model, inputs.input_ids, temperature=temperature, **packing)[0])
     loss, metrics = loss_fn(logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, ref,
                             entropy=entropy.detach())
     lr = float(sched.get_last_lr()[0])

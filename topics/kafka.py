@@ -82,7 +82,10 @@ async def _start_with_retries(client: Any, cfg: KafkaConfig, what: str) -> None:
 class Producer:
     """Encodes schema messages, adds trace headers, and awaits the broker's acknowledgement of each send."""
 
-    def __init__(self, cfg: KafkaConfig, *, client_id: str = "") -> None:
+    def __init__(self, cfg: KafkaConfig, *, client_id: str = "", max_batch_bytes: int = 0) -> None:
+        """``max_batch_bytes`` (> 0) sizes the producer's per-partition record batch (aiokafka's 16 KiB by
+        default): the producer has one request in flight per broker carrying one record batch per partition, so a
+        writer of large records to few partitions (the buffer's Batches) needs room for several per batch."""
         self.cfg = cfg
         self._producer = AIOKafkaProducer(
             **client_kwargs(cfg, client_id=client_id),
@@ -90,6 +93,7 @@ class Producer:
             compression_type=None if cfg.compression == "none" else cfg.compression,
             linger_ms=cfg.linger_ms,
             max_request_size=cfg.max_message_bytes + 64 * 1024,
+            **({"max_batch_size": max_batch_bytes} if max_batch_bytes > 0 else {}),
         )
         self._started = False
         self._stopped = False

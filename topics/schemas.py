@@ -6,7 +6,8 @@ Tensor fields are numpy arrays on the Python side and the map ``{"dtype": "int32
 
 Conventions shared by producers, buffer and trainer:
 
-* Token positions in a ``Batch`` row are ``prompt + response`` padded on the right. ``old_logprobs[b, t]`` is the
+* Token positions in a ``Batch`` row are ``prompt + response`` padded on the right (a packed Batch holds several
+  such sequences per row, see ``Batch``). ``old_logprobs[b, t]`` is the
   behaviour log-probability of ``input_ids[b, t]`` given ``input_ids[b, :t]``; ``loss_mask[b, t]`` is 1 exactly at
   response tokens. A trainer computes ``logits[:, :-1]`` against ``input_ids[:, 1:]`` and aligns with ``[:, 1:]``.
 * ``token_versions`` hold the policy version that sampled each response token (a swap mid-sequence shows as a
@@ -103,7 +104,19 @@ class Episode:
 
 @dataclass(kw_only=True, slots=True)
 class Batch:
-    """A training batch of whole GRPO groups; ``batch_id`` is a hash of the sorted episode ids."""
+    """A training batch of whole GRPO groups; ``batch_id`` is a hash of the sorted episode ids.
+
+    Two layouts of the ``[R, T]`` token arrays (``input_ids``, ``loss_mask``, ``old_logprobs``, ``token_versions``);
+    the per-episode arrays (``episode_ids``, ``group_ids``, ``advantages``, ``rewards``, ``prompt_lens``,
+    ``seq_lens``) have ``B`` entries in both:
+
+    * padded (``segment_ids`` empty, the default): row ``b`` is episode ``b`` (``R == B``), right-padded;
+    * packed (buffer ``batching: pack``): a row holds several whole episodes one after the other, then padding.
+      ``segment_ids[r, t]`` is the index (into ``episode_ids``) of the episode the token belongs to, ``-1`` at
+      padding; ``position_ids[r, t]`` is the token's position within its own episode (0 at its first token, 0 at
+      padding). A trainer attends only within a segment (block-diagonal causal mask) and restarts RoPE positions
+      per segment; ``old_logprobs[r, t]`` scores ``input_ids[r, t]`` given the earlier tokens of its own segment.
+    """
 
     SCHEMA: ClassVar[str] = "batch"
     VERSION: ClassVar[int] = 1
@@ -119,14 +132,22 @@ class Batch:
     rewards: np.ndarray = tensor("float32", 1)  # [B]
     prompt_lens: np.ndarray = tensor("int32", 1)  # [B]
     seq_lens: np.ndarray = tensor("int32", 1)  # [B]
+    segment_ids: np.ndarray = tensor("int32", 2, default=True)  # [R, T] packed only: episode index, -1 at padding
+    position_ids: np.ndarray = tensor("int32", 2, default=True)  # [R, T] packed only: position in its episode
     pad_token_id: int = 0
     buffer_id: str = ""
     stats: dict[str, float] = field(default_factory=dict)
     created_at: float = field(default_factory=_now)
 
+    @property
+    def packed(self) -> bool:
+        return self.segment_ids.size > 0
+
     def validate(self) -> None:
         b = len(self.episode_ids)
-        if self.input_ids.shape[0] != b:
+        if self.packed:
+            self._validate_packing(b)
+        elif self.input_ids.shape[0] != b:
             raise InvalidMessage(f"batch {self.batch_id}: {b} episode ids but {self.input_ids.shape[0]} rows")
         for name in ("loss_mask", "old_logprobs", "token_versions"):
             if getattr(self, name).shape != self.input_ids.shape:
@@ -136,6 +157,30 @@ class Batch:
                 raise InvalidMessage(f"batch {self.batch_id}: {name} must have shape [{b}]")
         if not np.isfinite(self.advantages).all():
             raise InvalidMessage(f"batch {self.batch_id}: advantages are not finite")
+
+    def _validate_packing(self, b: int) -> None:
+        """Each episode one contiguous segment of ``seq_lens[e]`` tokens, positions 0.. within it."""
+        seg, pos = self.segment_ids, self.position_ids
+        if seg.shape != self.input_ids.shape or pos.shape != self.input_ids.shape:
+            raise InvalidMessage(f"batch {self.batch_id}: segment_ids and position_ids must have input_ids' shape")
+        flat = seg.ravel()
+        if flat.size and (int(flat.min()) < -1 or int(flat.max()) >= b):
+            raise InvalidMessage(f"batch {self.batch_id}: segment ids outside [-1, {b})")
+        idx = np.flatnonzero(flat >= 0)
+        counts = np.bincount(flat[idx], minlength=b)
+        if self.seq_lens.shape != (b,) or not np.array_equal(counts, self.seq_lens):
+            raise InvalidMessage(f"batch {self.batch_id}: segment sizes differ from seq_lens")
+        # a segment is contiguous tokens of one row, with positions 0, 1, 2... (the trainer scores each token from
+        # the one before it in the row)
+        order = np.argsort(flat[idx], kind="stable")
+        where = idx[order]  # flat index of each segment's tokens, segment by segment, in order
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        expect = np.arange(idx.size) - starts
+        if not np.array_equal(pos.ravel()[where], expect):
+            raise InvalidMessage(f"batch {self.batch_id}: position ids do not count 0.. within each segment")
+        first = where - expect  # each token's segment start, if contiguous
+        if not np.array_equal(first, where[starts]) or not np.array_equal(first // seg.shape[1], where // seg.shape[1]):
+            raise InvalidMessage(f"batch {self.batch_id}: a segment is not contiguous within one row")
 
 
 @dataclass(kw_only=True, slots=True)

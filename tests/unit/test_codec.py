@@ -50,6 +50,8 @@ def messages(draw: st.DrawFn, cls: type) -> object:
                                       dtype=np.float32)
         for name in ("prompt_lens", "seq_lens"):
             kwargs[name] = np.zeros(b, dtype=np.int32)
+        for name in ("segment_ids", "position_ids"):  # the padded layout (packed batches: test_buffer_packing)
+            kwargs[name] = np.zeros((0, 0), dtype=np.int32)
     return cls(**kwargs)
 
 
