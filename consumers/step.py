@@ -55,8 +55,9 @@ class StepInputs:
 
 def trim_width(batch: Batch) -> int:
     """The number of columns that hold any real token (drop all-padding tail columns)."""
-    if batch.packed:
-        return int(max(int((batch.segment_ids >= 0).sum(axis=1).max()), 2))
+    if batch.packed:  # one past the last column holding a token of any segment
+        used = np.flatnonzero((batch.segment_ids >= 0).any(axis=0))
+        return int(max(int(used[-1]) + 1 if used.size else 0, 2))
     if len(batch.seq_lens):
         return int(max(int(batch.seq_lens.max()), 2))
     return batch.input_ids.shape[1]

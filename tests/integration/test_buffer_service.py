@@ -223,3 +223,31 @@ async def test_fenced_generator_episodes_are_dropped(run_config):
         await nc.close()
     drops = [r.value for r in await read_topic(cfg.kafka, cfg.names.drops, expect=DropRecord)]
     assert [(d.reason, sorted(d.episode_ids)) for d in drops] == [("fenced", [e.episode_id for e in late])]
+
+
+async def test_packed_batches_out_hold_every_episode_once(run_config):
+    cfg = with_buffer(run_config, groups_per_batch=3, max_batch_wait_s=0.5, batching="pack", pack_row_tokens=64,
+                      budget_count="tokens")
+    lengths = [(6, 10), (12, 30), (4, 4), (9, 17), (20, 40), (5, 8)]  # rows of 16..60 tokens
+    episodes = [e for i, (p, r) in enumerate(lengths) for e in make_group(f"p{i}", 4, prompt_len=p, response_len=r)]
+    await produce(cfg, episodes)
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    try:
+        await wait_for(lambda: role.state.counters["batched_episodes"] == len(episodes), 30, "all batched", role, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    batches = [r.value for r in await read_topic(cfg.kafka, cfg.names.batches, expect=Batch)]  # decoded: validated
+    assert batches and all(b.packed and b.input_ids.shape[1] == 64 for b in batches)
+    assert sum(b.input_ids.shape[0] for b in batches) < len(episodes)  # several episodes per row
+    by_id = {e.episode_id: e for e in episodes}
+    for b in batches:
+        for i, eid in enumerate(b.episode_ids):
+            r, c = np.nonzero(b.segment_ids == i)
+            ep = by_id[eid]
+            assert np.array_equal(b.input_ids[r, c], np.concatenate([ep.prompt_tokens, ep.response_tokens]))
+            assert np.array_equal(b.old_logprobs[r, c][len(ep.prompt_tokens):], ep.logprobs)
+    audit = await run_audit(cfg)
+    assert audit["batched"] == len(episodes) and audit["in_two_batches"] == 0 and audit["reconciles"]

@@ -109,7 +109,16 @@ def test_batch_inputs_of_a_packed_batch_is_the_padded_batch_per_episode():
 
 def test_trim_width_of_packed_rows():
     b = build_batch(groups((4, 6), (3, 2)), pack_row_tokens=40)
-    assert b.input_ids.shape[1] == 40 and trim_width(b) == int((b.segment_ids >= 0).sum(1).max()) < 40
+    assert b.input_ids.shape[1] == 40 and trim_width(b) == 30  # 10 + 10 + 5 + 5 tokens in the one row
+    # a (valid) row with padding before its segments: trimming keeps every segment token
+    for name, fill in (("segment_ids", -1), ("position_ids", 0), ("input_ids", 0), ("loss_mask", 0),
+                       ("old_logprobs", 0), ("token_versions", -1)):
+        arr = getattr(b, name)
+        setattr(b, name, np.concatenate([np.full((arr.shape[0], 3), fill, dtype=arr.dtype), arr[:, :-3]], axis=1))
+    b.validate()
+    assert trim_width(b) == 33
+    inputs = batch_inputs(b)
+    assert inputs.mask.sum() == int(b.loss_mask.sum()) and bool(inputs.unpack_valid.sum() == b.seq_lens.sum())
 
 
 def test_state_machine_packs_when_configured():
