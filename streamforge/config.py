@@ -64,7 +64,9 @@ class ModelConfig:
     """The policy model, one Hugging Face directory that vLLM, transformers and torchtitan all load."""
 
     path: str = ""  # HF dir; empty with `tiny` set = build the tiny model into <run_dir>/model
-    tiny: str = "char-llama"  # the built-in tiny model recipe used when path is empty ("" = none)
+    tiny: str = "char-llama"  # the built-in tiny model recipe used when path and source are empty ("" = none)
+    source: str = ""  # a pretrained model by name (producers/hf_models.py: smollm2-135m), converted once into cache_dir
+    cache_dir: str = ""  # where `source` models are converted; empty = ~/.cache/streamforge/models
     flavor: str = ""  # torchtitan flavor (empty = derived from the HF config)
     max_seq_len: int = 128
     warmstart_task: str = ""  # toy task for a short supervised warm start of the built tiny model ("" = none)
@@ -73,8 +75,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not 0 < self.warmstart_accuracy <= 1:
             raise ConfigError("model.warmstart_accuracy", "must be in (0, 1]")
-        if not self.path and not self.tiny:
-            raise ConfigError("model.path", "set a Hugging Face model directory (or model.tiny)")
+        if not self.path and not self.tiny and not self.source:
+            raise ConfigError("model.path", "set a Hugging Face model directory (or model.source, or model.tiny)")
+        if self.source:
+            from producers.hf_models import SOURCES
+
+            if self.source not in SOURCES:
+                raise ConfigError("model.source", f"{self.source!r} is not one of {list(SOURCES)}")
+            if self.warmstart_task:
+                raise ConfigError("model.warmstart_task", "the warm start is for the built tiny model only")
 
 
 @dataclass(kw_only=True, slots=True)

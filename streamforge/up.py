@@ -1,7 +1,8 @@
 """``streamforge up``: brokers + feeder + N generators + buffer(s) + trainer as child processes of one command.
 
 Contract: starts the embedded brokers unless the config names external ones (``kafka.bootstrap`` and ``nats.url``),
-creates the run's topics, builds the tiny model when ``model.path`` is empty, then starts every role with
+creates the run's topics, prepares the model when ``model.path`` is empty (converts ``model.source`` once into its
+cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every role with
 ``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``). It waits for the trainer to finish
 (``trainer.max_steps`` or ``trainer.reward_target``), then drains the other roles (SIGTERM, SIGKILL after
 ``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
@@ -171,7 +172,13 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         config.kafka.bootstrap, config.nats.url = kafka, nats_url
         await ensure_topics(config.kafka, config.names, config.topics)
         model_path = config.model.path
-        if not model_path:
+        if not model_path and config.model.source:
+            from producers.hf_models import default_cache_dir, ensure_source_model
+
+            cache = config.model.cache_dir or str(default_cache_dir())
+            print(f"model {config.model.source}: converting once into {cache} (reused after)", flush=True)
+            model_path = str(await asyncio.to_thread(ensure_source_model, config.model.source, cache))
+        elif not model_path:
             from producers.tiny_model import build_tiny_model
 
             model_path = str(run_dir / "model")
