@@ -22,8 +22,8 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from topics import codec  # noqa: E402
-from topics.schemas import Episode  # noqa: E402
+from topics import codec
+from topics.schemas import Episode
 
 
 def make_episode(n: int, rng: np.random.Generator) -> Episode:

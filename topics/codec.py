@@ -5,8 +5,16 @@ Format (documented so any msgpack reader can decode it):
 * a message is one msgpack map: ``{"schema": str, "v": int, <field name>: <value>, ...}``;
 * plain fields are msgpack scalars, arrays and maps (``bytes`` fields are msgpack bin);
 * a tensor field is the map ``{"dtype": "<numpy dtype name>", "shape": [d0, d1, ...], "data": <bin>}`` holding the
-  raw little-endian C-order bytes; it decodes as a read-only ``np.frombuffer`` view of the received bytes
-  (no copy beyond the one msgpack makes for the bin).
+  raw little-endian C-order bytes.
+
+``encode`` writes one canonical layout of that map: ``schema`` and ``v`` first, then the tensor fields in schema
+order (dims as uint32, ``data`` as bin32), then the plain fields. It assembles the bytes itself, so tensor bytes
+are copied once, straight into the message. ``decode`` reads the canonical layout with a small parser: tensors
+become read-only ``np.frombuffer`` views of the message bytes (zero copy; a decoded message keeps the bytes it came
+from alive), and one ``msgpack.unpackb`` reads the plain fields. Any other valid msgpack layout of the same map
+(keys in another order, other int or bin widths, extra keys) decodes through the generic path, ``msgpack.unpackb``
+plus ``from_wire``, with exactly the same checks. A ``bytearray`` or ``memoryview`` input is copied to ``bytes``
+first, so a caller may reuse its buffer after ``decode`` returns.
 
 ``decode`` never raises anything but a ``CodecError`` subclass, whatever the input: ``MalformedMessage``,
 ``UnknownSchema``, ``MessageTooLarge`` or ``InvalidMessage`` (each with ``retriable = False`` and a ``reason``
@@ -17,6 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
+import struct
+import threading
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +78,10 @@ def _specs(cls: type) -> tuple[_FieldSpec, ...]:
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if "tensor" in f.metadata:
             dtype, ndim = f.metadata["tensor"]
-            out.append(_FieldSpec(f.name, "tensor", required, dtype, ndim, np.dtype(dtype).newbyteorder("<")))
+            np_dtype = np.dtype(dtype).newbyteorder("<")
+            if np_dtype == np.dtype(dtype):
+                np_dtype = np.dtype(dtype)  # numpy's own instance on a little-endian host: ``is`` compares it
+            out.append(_FieldSpec(f.name, "tensor", required, dtype, ndim, np_dtype))
         else:
             kind = _kind_of(hints[f.name])
             exact = {"str": str, "int": int, "float": float, "bool": bool, "bytes": bytes}.get(kind)
@@ -75,14 +89,113 @@ def _specs(cls: type) -> tuple[_FieldSpec, ...]:
     return tuple(out)
 
 
+# --- the canonical layout, precomputed per schema -------------------------------------------
+
+_UINT32 = 0xCE
+_DATA_BIN32 = b"\xa4data\xc6"  # the tensor map's "data" key and a bin32 header; its 4-byte length follows
+
+
+def _map_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x80 | n,))
+    return struct.pack(">BH", 0xDE, n) if n < 2**16 else struct.pack(">BI", 0xDF, n)
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorLayout:
+    """One tensor entry in the canonical layout: ``prefix`` (the key, the tensor map's header, the dtype entry, the
+    "shape" key, the array header and the first dim's uint32 tag), the dims (tagged uint32), the "data" key with a
+    bin32 header and length, then the raw bytes. ``head`` packs and reads all but the raw bytes in one call."""
+
+    spec: _FieldSpec
+    prefix: bytes
+    head: struct.Struct
+
+    @classmethod
+    def of(cls, spec: _FieldSpec) -> _TensorLayout:
+        if spec.ndim > 15:
+            raise TypeError(f"tensor field {spec.name!r}: rank {spec.ndim} > 15")
+        prefix = (msgpack.packb(spec.name) + b"\x83\xa5dtype" + msgpack.packb(spec.dtype) + b"\xa5shape"
+                  + bytes((0x90 | spec.ndim,)) + (bytes((_UINT32,)) if spec.ndim else b""))
+        # Dims are signed here: a dim >= 2**31 (the generic decoder's bound) fails to pack and reads negative.
+        dims = "i" + "Bi" * (spec.ndim - 1) if spec.ndim else ""
+        return cls(spec, prefix, struct.Struct(f">{len(prefix)}s{dims}{len(_DATA_BIN32)}sI"))
+
+
+class _Plan:
+    """How one schema class is written and read in the canonical layout (all precomputed at registration)."""
+
+    __slots__ = ("checked", "cls", "count", "get_plain", "get_tensors", "head", "head_key", "plain", "plain_exact",
+                 "plain_names", "plain_pairs", "readers", "tail_header", "tensors", "validate", "writers")
+
+    def __init__(self, cls: type, specs: tuple[_FieldSpec, ...]) -> None:
+        self.cls = cls
+        tensors = [s for s in specs if s.np_dtype is not None]
+        self.plain = tuple(s for s in specs if s.np_dtype is None)
+        self.tensors = tuple(_TensorLayout.of(s) for s in tensors)
+        self.readers = tuple((t.spec.name, t.spec.ndim, t.prefix, t.head.unpack_from, t.head.size, t.spec.np_dtype,
+                              t.spec.np_dtype.itemsize) for t in self.tensors)
+        self.writers = tuple((t.spec.ndim, t.prefix, t.head.pack, t.spec.np_dtype, t.spec.np_dtype.itemsize)
+                             for t in self.tensors)
+        self.get_tensors = _getter(tuple(s.name for s in tensors))
+        self.plain_names = tuple(s.name for s in self.plain)
+        self.get_plain = _getter(self.plain_names)
+        # The plain fields are packed as one flat list [key, value, key, value, ...]: past the array header, its
+        # bytes are exactly the map entries.
+        self.plain_pairs = [x for name in self.plain_names for x in (name, None)]
+        # After the map header: the bytes a canonical message of this class starts with ("schema" and "v").
+        self.head_key = msgpack.packb("schema") + msgpack.packb(cls.SCHEMA) + msgpack.packb("v") + msgpack.packb(
+            cls.VERSION)
+        self.count = 2 + len(specs)
+        self.head = _map_header(self.count) + self.head_key
+        self.tail_header = _map_header(len(self.plain))
+        # A plain value of exactly this type needs no conversion; dicts and lists also get their items checked.
+        self.plain_exact = tuple(s.exact or {"dict_float": dict, "dict_any": dict, "list_str": list}[s.kind]
+                                 for s in self.plain)
+        self.checked = tuple((s.name, s.kind) for s in self.plain if s.exact is None)
+        self.validate = getattr(cls, "validate", None)
+
+
+def _getter(names: tuple[str, ...]) -> Any:
+    """A function returning the tuple of attributes ``names`` of an object (``attrgetter`` of one name returns a
+    bare value)."""
+    if not names:
+        return lambda obj: ()
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return operator.attrgetter(*names)
+
+
+_LOCAL = threading.local()
+
+
+def _pack(obj: Any) -> bytes:
+    """``msgpack.packb`` with one reused packer per thread (a packer is not thread-safe, and costs to create)."""
+    try:
+        packer = _LOCAL.packer
+    except AttributeError:
+        packer = _LOCAL.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(obj)
+
+
 _REGISTRY: dict[tuple[str, int], type] = {}
 _SPECS: dict[type, tuple[_FieldSpec, ...]] = {}
+_PLANS: dict[type, _Plan] = {}
+_HEADS: dict[bytes, _Plan] = {}  # head_key -> plan, for the canonical decoder
 
 
 def register(cls: type) -> type:
     """Register a schema class (``SCHEMA``/``VERSION`` class vars) with the codec."""
+    specs = _specs(cls)
+    plan = _Plan(cls, specs)
+    old = _PLANS.get(cls)
+    if old is not None:
+        _HEADS.pop(old.head_key, None)
     _REGISTRY[(cls.SCHEMA, cls.VERSION)] = cls
-    _SPECS[cls] = _specs(cls)
+    _SPECS[cls] = specs
+    _PLANS[cls] = plan
+    _HEADS[plan.head_key] = plan
     return cls
 
 
@@ -97,11 +210,16 @@ def known_schemas() -> dict[tuple[str, int], type]:
 # --- encode ---------------------------------------------------------------------------------
 
 
+def _as_tensor(arr: Any, dtype: np.dtype, ndim: int, name: str = "") -> np.ndarray:
+    if type(arr) is not np.ndarray or arr.dtype != dtype or not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(np.asarray(arr).astype(dtype, copy=False))
+    if arr.ndim != ndim:
+        raise InvalidMessage(f"field {name!r}: expected rank {ndim}, got shape {arr.shape}")
+    return arr
+
+
 def _encode_tensor(name: str, arr: Any, spec: _FieldSpec) -> dict[str, Any]:
-    if type(arr) is not np.ndarray or arr.dtype != spec.np_dtype or not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(np.asarray(arr).astype(spec.np_dtype, copy=False))
-    if arr.ndim != spec.ndim:
-        raise InvalidMessage(f"field {name!r}: expected rank {spec.ndim}, got shape {arr.shape}")
+    arr = _as_tensor(arr, spec.np_dtype, spec.ndim, name)
     data = arr.data.cast("B") if arr.size else b""
     return {"dtype": spec.dtype, "shape": list(arr.shape), "data": data}
 
@@ -122,13 +240,51 @@ def to_wire(msg: Any) -> dict[str, Any]:
     return out
 
 
+def _tensor_head(pack: Any, prefix: bytes, shape: tuple[int, ...], nbytes: int) -> bytes:
+    args: list[Any] = [prefix, *shape[:1]]
+    for d in shape[1:]:
+        args += (_UINT32, d)
+    return pack(*args, _DATA_BIN32, nbytes)
+
+
+def _pieces(plan: _Plan, msg: Any, convert: bool) -> list[Any]:
+    """The buffers whose concatenation is the message; ``convert`` also copies non-C-contiguous arrays."""
+    pieces: list[Any] = [plan.head]
+    for (ndim, prefix, pack, dtype, itemsize), arr in zip(plan.writers, plan.get_tensors(msg)):
+        if type(arr) is not np.ndarray or (arr.dtype is not dtype and arr.dtype != dtype) or arr.ndim != ndim or (
+                convert and not arr.flags.c_contiguous):
+            arr = _as_tensor(arr, dtype, ndim)
+        if ndim == 1:
+            n = len(arr)
+            pieces += (pack(prefix, n, _DATA_BIN32, n * itemsize), arr)
+        else:
+            pieces += (_tensor_head(pack, prefix, arr.shape, arr.nbytes), arr)
+    pairs = plan.plain_pairs.copy()
+    pairs[1::2] = plan.get_plain(msg)
+    plain = _pack(pairs)
+    pieces.append(memoryview(plain)[1 if len(pairs) < 16 else 3 if len(pairs) < 2**16 else 5:])
+    return pieces
+
+
 def encode(msg: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """Encode a schema instance. Raises ``InvalidMessage`` for a bad instance, ``MessageTooLarge`` over the limit."""
+    """Encode a schema instance. Raises ``InvalidMessage`` for a bad instance, ``MessageTooLarge`` over the limit.
+
+    Writes the canonical layout (see the module docstring): one ``bytes.join`` of precomputed key bytes, the
+    tensors' own buffers and one msgpack packing of the plain fields, so tensor bytes are copied once.
+    """
+    plan = _PLANS.get(type(msg))
+    if plan is None:
+        raise CodecError(f"{type(msg).__name__} is not a registered schema")
+    if plan.validate is not None:
+        plan.validate(msg)
     try:
-        data = msgpack.packb(to_wire(msg), use_bin_type=True)
+        try:
+            data = b"".join(_pieces(plan, msg, False))
+        except TypeError:  # maybe a non-contiguous array, which exports no plain buffer: copy it
+            data = b"".join(_pieces(plan, msg, True))
     except CodecError:
         raise
-    except (TypeError, ValueError, OverflowError) as exc:
+    except (TypeError, ValueError, OverflowError, struct.error) as exc:
         raise InvalidMessage(f"cannot encode {type(msg).__name__}: {exc}") from exc
     if len(data) > max_bytes:
         raise MessageTooLarge(len(data), max_bytes)
@@ -187,9 +343,8 @@ def _check(name: str, kind: str, value: Any) -> Any:
     elif kind == "dict_any":
         if type(value) is dict and all(type(k) is str for k in value):
             return value
-    elif kind == "list_str":
-        if type(value) is list and all(type(v) is str for v in value):
-            return value
+    elif kind == "list_str" and type(value) is list and all(type(v) is str for v in value):
+        return value
     raise MalformedMessage(f"field {name!r}: expected {kind}, got {type(value).__name__}")
 
 
@@ -224,23 +379,103 @@ def from_wire(obj: Any) -> Any:
     return msg
 
 
+def _canonical_fields(data: bytes) -> tuple[_Plan, dict[str, Any]] | None:
+    """The plan and constructor arguments of a message in the canonical layout; None for any other bytes.
+
+    None is no verdict: the caller then decodes ``data`` through the generic path, which raises the typed error
+    if there is one. This parser accepts a message only where the generic path would decode the same fields
+    (same types, same tensor checks, no duplicate keys, no trailing bytes).
+    """
+    try:
+        b0 = data[0]
+        if b0 & 0xF0 == 0x80:
+            count, p = b0 & 0x0F, 1
+        elif b0 == 0xDE:
+            count, p = (data[1] << 8) | data[2], 3
+        else:
+            return None
+        # "schema" (7 bytes), the name as a fixstr (1 + L bytes), "v" (2 bytes) and the version as a fixint.
+        plan = _HEADS.get(data[p:p + 11 + (data[p + 7] & 0x1F)])
+        if plan is None or count != plan.count:
+            return None  # another layout, another schema, or extra keys (which the generic path ignores)
+        p += len(plan.head_key)
+        tensors = {}
+        for name, ndim, prefix, read_head, head_size, dtype, itemsize in plan.readers:
+            if ndim == 1:
+                pre, n, tag, nbytes = read_head(data, p)
+                # n * itemsize == nbytes >= 0 also rules out a negative n (a dim >= 2**31 on the wire)
+                if pre != prefix or tag != _DATA_BIN32 or nbytes != n * itemsize:
+                    return None
+                p += head_size
+                tensors[name] = np.frombuffer(data, dtype, n, p)  # raises if the bytes end early
+            else:
+                dims = read_head(data, p)
+                shape, nbytes = dims[1:-2:2], dims[-1]
+                if dims[0] != prefix or dims[-2] != _DATA_BIN32 or any(t != _UINT32 for t in dims[2:-2:2]) or (
+                        min(shape, default=0) < 0 or nbytes != math.prod(shape) * itemsize):
+                    return None
+                p += head_size
+                tensors[name] = np.frombuffer(data, dtype, nbytes // itemsize, p).reshape(shape)
+            p += nbytes
+        if len(data) - p < 16384:
+            tail = plan.tail_header + data[p:]
+        else:  # a long tail (texts): copy it once, not twice
+            tail = b"".join((plan.tail_header, memoryview(data)[p:]))
+        plain = msgpack.unpackb(tail, raw=False, strict_map_key=True, use_list=True)
+    except Exception:  # noqa: BLE001 -- truncated, not msgpack...: all for the generic path to judge
+        return None
+    # Exactly the plain fields, in schema order (so no key of the head or of a tensor came twice), each of exactly
+    # its type (an int for a float field, say, is for the generic path to convert).
+    if tuple(plain) != plan.plain_names or tuple(map(type, plain.values())) != plan.plain_exact:
+        return None
+    for name, kind in plan.checked:
+        value = plain[name]
+        if kind == "list_str":
+            if not all(map(_IS_STR, value)):
+                return None
+        elif not all(map(_IS_STR, value)) or kind == "dict_float" and not all(map(_IS_FLOAT, value.values())):
+            return None
+    plain.update(tensors)
+    return plan, plain
+
+
+_IS_STR = str.__instancecheck__  # exact here: msgpack makes no subclasses
+_IS_FLOAT = float.__instancecheck__
+
+
+def _decode_generic(data: bytes | bytearray | memoryview) -> Any:
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises many types for hostile input; all mean "malformed"
+        raise MalformedMessage(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
+    return from_wire(obj)
+
+
 def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX_BYTES, expect: type | None = None) -> Any:
     """Decode bytes into a schema instance; ``expect`` restricts the accepted schema class.
 
     Raises only ``CodecError`` subclasses (never crashes the reader on hostile input).
     """
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise MalformedMessage(f"expected bytes, got {type(data).__name__}")
+    if type(data) is not bytes:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise MalformedMessage(f"expected bytes, got {type(data).__name__}")
+        if len(data) > max_bytes:
+            raise MessageTooLarge(len(data), max_bytes)
+        try:
+            data = bytes(data)  # decoded tensors are views of immutable bytes, never of the caller's buffer
+        except Exception as exc:  # e.g. a memoryview of a non-contiguous buffer
+            raise MalformedMessage(f"cannot read the message bytes: {type(exc).__name__}: {exc}") from exc
     if len(data) > max_bytes:
         raise MessageTooLarge(len(data), max_bytes)
     try:
-        obj = msgpack.unpackb(
-            data, raw=False, strict_map_key=True, use_list=True
-        )
-    except Exception as exc:  # msgpack raises many types for hostile input; all mean "malformed"
-        raise MalformedMessage(f"not a msgpack message: {type(exc).__name__}: {exc}") from exc
-    try:
-        msg = from_wire(obj)
+        canonical = _canonical_fields(data)
+        if canonical is None:
+            msg = _decode_generic(data)
+        else:
+            plan, fields = canonical
+            msg = plan.cls(**fields)
+            if plan.validate is not None:
+                plan.validate(msg)
     except CodecError:
         raise
     except Exception as exc:  # e.g. numpy refusing a shape; still the sender's fault
