@@ -71,9 +71,17 @@ def _equal(a: object, b: object) -> bool:
 @given(data=st.data())
 def test_round_trip_every_schema(cls: type, data: st.DataObject) -> None:
     msg = data.draw(messages(cls))
-    out = codec.decode(codec.encode(msg))
+    wire = codec.encode(msg)
+    out = codec.decode(wire)
     assert type(out) is cls
     assert _equal(msg, out)
+    assert codec._canonical_fields(wire) is not None  # the encoder's own layout takes the fast path...
+    assert _equal(codec._decode_generic(wire), out)  # ...which decodes exactly what the generic path does
+    # Any other msgpack layout of the same map (here: keys in schema order, minimal ints and bins) decodes the same.
+    other = msgpack.packb(codec.to_wire(msg), use_bin_type=True)
+    if any(spec.kind == "tensor" for spec in codec._SPECS[cls]):
+        assert codec._canonical_fields(other) is None
+    assert _equal(codec.decode(other), out)
 
 
 @settings(max_examples=500, deadline=None)
@@ -207,3 +215,83 @@ def test_batch_validation_rejects_inconsistent_shapes() -> None:
     batch.old_logprobs = np.zeros((b, t + 1), np.float32)
     with pytest.raises(InvalidMessage):
         codec.encode(batch)
+
+
+def test_canonical_layout_is_the_documented_map() -> None:
+    """schema and v first, then the tensor fields in schema order, then the plain fields; dims uint32, data bin32."""
+    data = codec.encode(_episode())
+    obj = msgpack.unpackb(data, raw=False)
+    specs = codec._SPECS[schemas.Episode]
+    tensors = [s.name for s in specs if s.kind == "tensor"]
+    assert list(obj) == ["schema", "v", *tensors, *(s.name for s in specs if s.kind != "tensor")]
+    for name in tensors:
+        assert list(obj[name]) == ["dtype", "shape", "data"]
+    assert b"\xa5shape\x91\xce\x00\x00\x00\x03\xa4data\xc6\x00\x00\x00\x0c" in data  # logprobs: 3 float32
+
+
+def test_decoded_message_holds_no_view_of_a_mutable_input() -> None:
+    data = bytearray(codec.encode(_episode()))
+    for raw in (data, memoryview(data)):
+        out = codec.decode(raw)
+        before = out.logprobs.copy()
+        data[:] = bytes(len(data))  # the caller reuses its buffer
+        assert np.array_equal(out.logprobs, before) and not out.logprobs.flags.writeable
+        data[:] = codec.encode(_episode())
+
+
+def test_arrays_of_another_dtype_order_or_type_are_converted_on_encode() -> None:
+    ep = _episode(logprobs=np.array([-0.1, -0.2, -0.3], dtype=np.float64),
+                  response_tokens=np.array([[7, 0], [8, 0], [9, 0]], dtype=np.int64)[:, 0],  # not contiguous
+                  token_versions=[3, 3, 4], prompt_tokens=np.arange(5, dtype=">i4"))
+    out = codec.decode(codec.encode(ep))
+    assert out.logprobs.dtype == np.float32 and out.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert out.response_tokens.dtype == np.int32 and out.response_tokens.tolist() == [7, 8, 9]
+    assert out.token_versions.tolist() == [3, 3, 4] and out.prompt_tokens.tolist() == list(range(5))
+    with pytest.raises(InvalidMessage):
+        codec.encode(_episode(logprobs=np.zeros((3, 1), dtype=np.float32)))
+    with pytest.raises(InvalidMessage):
+        codec.encode(_episode(reward_components={"toy": object()}))
+
+
+def _with_extra_entry(data: bytes, key: str, value: object) -> bytes:
+    """The canonical message with one more map entry at its end (the map header counts it)."""
+    assert data[0] == 0xDE  # an Episode has 21 entries: a map16 header
+    count = int.from_bytes(data[1:3], "big") + 1
+    return b"\xde" + count.to_bytes(2, "big") + data[3:] + msgpack.packb(key) + msgpack.packb(value, use_bin_type=True)
+
+
+def test_duplicate_and_unknown_keys_decode_as_a_plain_msgpack_reader_sees_them() -> None:
+    """A key given twice: the last one wins, as in ``msgpack.unpackb``; an unknown key is ignored."""
+    data = codec.encode(_episode())
+    twice = _with_extra_entry(data, "logprobs", {"dtype": "float32", "shape": [3], "data": bytes(12)})
+    assert codec._canonical_fields(twice) is None
+    assert codec.decode(twice).logprobs.tolist() == [0.0, 0.0, 0.0]
+    with pytest.raises(InvalidMessage):  # a schema given twice, and the last one is not an Episode
+        codec.decode(_with_extra_entry(data, "schema", "prompt"), expect=schemas.Episode)
+    unknown = _with_extra_entry(data, "added_later", [1, 2])
+    assert _equal(codec.decode(unknown), _episode(created_at=codec.decode(data).created_at))
+
+
+@pytest.mark.parametrize("msg, expected", [
+    (_episode(reward=1, reward_components={"toy": 1}), {"reward": 1.0, "reward_components": {"toy": 1.0}}),
+    (_episode(timings={"queued_s": 2}), {"timings": {"queued_s": 2.0}}),
+    (_episode(reward_components={b"toy": 1.0}), MalformedMessage),
+    (_episode(timings={"queued_s": "soon"}), MalformedMessage),
+    (_episode(group_size=True), MalformedMessage),
+    (_episode(task=b"addmod10"), MalformedMessage),
+    (schemas.DropRecord(episode_ids=["g/0", 3], reason="stale"), MalformedMessage),
+    (schemas.Prompt(prompt_id="p", task="t", metadata={b"k": 1}), MalformedMessage),
+    (schemas.DeadLetter(source="s", reason="r", value="text, not bytes"), MalformedMessage),
+], ids=range(9))
+def test_plain_values_of_another_type_get_the_generic_checks(msg: object, expected: object) -> None:
+    """Written in the canonical layout but not of the field's exact type: the fast path declines, and the generic
+    path converts (an int for a float) or rejects, exactly as it does for any other layout."""
+    data = codec.encode(msg)
+    assert codec._canonical_fields(data) is None
+    if isinstance(expected, dict):
+        out = codec.decode(data)
+        for name, value in expected.items():
+            assert getattr(out, name) == value and repr(getattr(out, name)) == repr(value)
+    else:
+        with pytest.raises(expected):
+            codec.decode(data)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from topics import codec, schemas
-from topics.errors import CodecError
+from topics.errors import CodecError, MalformedMessage
 
 N = 10_000
 REASONS = {"malformed", "unknown_schema", "oversized", "invalid"}
@@ -110,3 +110,64 @@ def test_ten_thousand_of_each_kind_of_bad_input(msg: object) -> None:
     assert seen["oversized"] == {"oversized"}
     assert "ok" not in seen.get("tensor", set())
     assert seen["truncated"] <= REASONS  # a strict prefix of a msgpack map is never a whole message
+
+
+def _outcome(fn: object) -> object:
+    try:
+        return fn()  # type: ignore[operator]
+    except CodecError as exc:
+        return type(exc)
+    except Exception:  # noqa: BLE001 -- decode() turns these into MalformedMessage
+        return MalformedMessage
+
+
+def _same(a: object, b: object) -> bool:
+    """Field by field; arrays by dtype, shape and bytes, other values by repr (so NaN equals NaN)."""
+    for spec in codec._SPECS[type(a)]:
+        x, y = getattr(a, spec.name), getattr(b, spec.name)
+        if isinstance(x, np.ndarray):
+            if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
+                return False
+        elif type(x) is not type(y) or repr(x) != repr(y):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("msg", valid_messages(), ids=lambda m: m.SCHEMA)
+def test_fast_path_accepts_only_what_the_generic_path_decodes_the_same(msg: object) -> None:
+    """Mutated encoder output: where the canonical parser accepts the bytes, the generic path (``msgpack.unpackb``
+    and ``from_wire``) must decode the same message, or raise the same error from ``validate``."""
+    rng = random.Random(hash(type(msg).SCHEMA) % 2**32 + 1)
+    good = codec.encode(msg)
+    accepted = 0
+    for _ in range(N // 2):
+        raw = bytearray(good)
+        for _ in range(rng.randrange(1, 3)):
+            pos = rng.randrange(len(raw))
+            op = rng.randrange(4)
+            if op < 2:
+                raw[pos] = rng.randrange(256)
+            elif op == 2:
+                raw[pos:pos] = rng.randbytes(rng.randrange(1, 4))
+            else:
+                del raw[pos:pos + rng.randrange(1, 4)]
+        raw = bytes(raw)
+        canonical = codec._canonical_fields(raw)
+        if canonical is None:
+            continue
+        accepted += 1
+        plan, fields = canonical
+
+        def build(plan: object = plan, fields: dict = fields) -> object:
+            out = plan.cls(**fields)
+            if plan.validate is not None:
+                plan.validate(out)
+            return out
+
+        fast, generic = _outcome(build), _outcome(lambda raw=raw: codec._decode_generic(raw))
+        if isinstance(generic, type):
+            assert fast is generic, (raw, fast, generic)
+        else:
+            assert not isinstance(fast, type) and _same(fast, generic), (raw, fast, generic)
+        check(raw)  # and decode() itself gives a valid message or a typed error
+    assert accepted > 0  # mutations inside texts or tensor bytes keep a canonical message
