@@ -33,6 +33,7 @@ class TrainerConfig:
     poll_timeout_ms: int = 1000  # longest wait for the next record before re-checking for stop
     ref_model: str = ""  # HF dir of the frozen reference for beta > 0 (empty = model.path)
     world_size: int = 1  # ranks (torchrun or spawned); gloo on CPU, nccl on GPU
+    tp: int = 1  # tensor-parallel degree (divides world_size); the other world_size / tp ranks are data-parallel
     dtype: str = "float32"
     seed: int = 0
 
@@ -63,7 +64,14 @@ class TrainerConfig:
             raise ConfigError("trainer.warmup_steps", "must be >= 0")
         if self.world_size < 1:
             raise ConfigError("trainer.world_size", "must be at least 1")
+        if self.tp < 1 or self.world_size % self.tp:
+            raise ConfigError("trainer.tp", f"must be at least 1 and divide trainer.world_size {self.world_size}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("trainer.dtype", "must be 'float32' or 'bfloat16'")
         if self.lr_schedule not in ("constant", "cosine", "linear"):
             raise ConfigError("trainer.lr_schedule", "must be 'constant', 'cosine' or 'linear'")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: the shares each batch's rows are split into."""
+        return self.world_size // self.tp

@@ -25,13 +25,32 @@ Shared options for every built-in: ``beta`` adds the k3 estimator of KL(pi || pi
 episodes); ``ratio_mask_threshold`` (``c > 1``) zeroes the loss of tokens whose ``sg(r)`` lies outside
 ``[1/c, c]`` (masked importance sampling: a token the behaviour policy made far likelier or unlikelier than the
 current one carries no gradient; the normaliser is unchanged).
+
+Data parallelism: with ``trainer.world_size / trainer.tp > 1`` data-parallel ranks, each rank sees only its share
+of the batch's rows, and FSDP averages the ranks' gradients. The trainer keeps the step equal to one process on
+the whole batch by asking every rank for its *share* of the whole-batch loss (the shares sum to it), then
+multiplying by the dp degree before backward. A loss says how, in one of two ways (``dp_share``):
+
+* it has a keyword parameter ``totals: BatchTotals`` (the whole batch's ``rows``, ``tokens`` = sum of the mask, and
+  ``width``) and normalises by those instead of its local counts, returning its share; its metrics must be shares
+  too (sums over local rows or tokens divided by the whole batch's count) and are summed over ranks. The built-ins
+  do this;
+* or it has an attribute ``aggregation``: ``"seq"`` (a mean over rows of per-row values), ``"token"`` (a sum over
+  masked tokens divided by the mask's sum) or ``"const"`` (a sum divided by ``rows x`` a fixed length), meaning the
+  value it returns for a share of rows is normalised by that share's own counts; the trainer rescales it (and its
+  metrics) by ``rows_local / rows`` or ``tokens_local / tokens``. A function gets it with ``fn.aggregation = "token"``.
+
+A loss that declares neither still works: every dp rank then trains the whole batch (correct, but no speed-up from
+data parallelism), and the trainer logs a warning once.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -45,7 +64,19 @@ Metrics = dict[str, float]
 class LossFn(Protocol):
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                  ref_logprobs: Tensor | None = None, *, entropy: Tensor | None = None,
-                 prox_logprobs: Tensor | None = None) -> tuple[Tensor, Metrics]: ...
+                 prox_logprobs: Tensor | None = None) -> tuple[Tensor, Metrics]: ...  # (+ totals, optional)
+
+
+AGGREGATIONS = ("seq", "token", "const")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTotals:
+    """The whole batch's counts, for a data-parallel rank that holds a share of its rows."""
+
+    rows: int  # B, the batch's rows (episodes)
+    tokens: float  # the sum of the batch's loss mask
+    width: int  # T, the batch's token columns (``const`` aggregation without max_completion_length)
 
 
 _REGISTRY: dict[str, Callable[..., LossFn]] = {}
@@ -93,8 +124,8 @@ def _accepting_extras(fn: Callable[..., Any]) -> LossFn:
         return fn  # type: ignore[return-value]
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return fn  # type: ignore[return-value]
-    accepted = {k for k in ("entropy", "prox_logprobs") if k in params}
-    if accepted == {"entropy", "prox_logprobs"}:
+    accepted = {k for k in ("entropy", "prox_logprobs", "totals") if k in params}
+    if {"entropy", "prox_logprobs"} <= accepted:
         return fn  # type: ignore[return-value]
 
     def call(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
@@ -102,26 +133,80 @@ def _accepting_extras(fn: Callable[..., Any]) -> LossFn:
         return fn(logprobs, old_logprobs, advantages, mask, ref_logprobs,
                   **{k: v for k, v in extra.items() if k in accepted})
 
+    call.aggregation = getattr(fn, "aggregation", None)  # type: ignore[attr-defined]
+    call.takes_totals = "totals" in accepted  # type: ignore[attr-defined]
+    return call  # type: ignore[return-value]
+
+
+def takes_totals(fn: LossFn) -> bool:
+    """Whether ``fn`` has a parameter named ``totals`` (or says so with a ``takes_totals`` attribute)."""
+    flag = getattr(fn, "takes_totals", None)
+    if flag is not None:
+        return bool(flag)
+    try:
+        return "totals" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def splits_rows(fn: LossFn) -> bool:
+    """Whether ``fn`` declares how to be computed on a share of the rows (see "Data parallelism" above)."""
+    return takes_totals(fn) or getattr(fn, "aggregation", None) in AGGREGATIONS
+
+
+def share_weight(aggregation: str, mask: Tensor, totals: BatchTotals, real_rows: int) -> float:
+    """The factor that turns a loss normalised by a share's own counts into its share of the whole-batch loss."""
+    if aggregation == "token":
+        return float(mask.sum().item()) / max(1.0, totals.tokens)
+    return real_rows / max(1, totals.rows)
+
+
+def dp_share(fn: LossFn, totals: BatchTotals, *, real_rows: int, scale: float = 1.0) -> LossFn:
+    """``fn`` computed on a share of the batch's rows: returns ``scale x`` its share of the whole-batch loss and
+    the share of each metric (summing the metrics over the shares gives the whole batch's). ``scale`` is the dp
+    degree (FSDP averages gradients over dp). ``real_rows``: the share's rows that are not padding."""
+    if not splits_rows(fn):
+        raise ValueError("the loss declares neither `takes_totals` nor `aggregation`")
+    takes = takes_totals(fn)
+
+    @functools.wraps(fn)
+    def call(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+             ref_logprobs: Tensor | None = None, **extra: Any) -> tuple[Tensor, Metrics]:
+        if takes:
+            loss, metrics = fn(logprobs, old_logprobs, advantages, mask, ref_logprobs, totals=totals, **extra)
+        else:
+            loss, metrics = fn(logprobs, old_logprobs, advantages, mask, ref_logprobs, **extra)
+            w = share_weight(fn.aggregation, mask, totals, real_rows)  # type: ignore[attr-defined]
+            loss = loss * w
+            metrics = {k: v * w for k, v in metrics.items()}
+        metrics.pop("nonfinite", None)  # a property of the summed loss: the caller decides it
+        return loss * scale, metrics
+
     return call  # type: ignore[return-value]
 
 
 # --- pieces ------------------------------------------------------------------------------------------------------
 
 
-def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+def masked_mean(x: Tensor, mask: Tensor, totals: BatchTotals | None = None) -> Tensor:
+    """``sum(x m) / max(1, sum m)``; with ``totals`` the denominator is the whole batch's token count (a share)."""
+    tokens = mask.sum().clamp(min=1.0) if totals is None else max(1.0, totals.tokens)
+    return (x * mask).sum() / tokens
 
 
-def aggregate(per_token: Tensor, mask: Tensor, how: str, max_completion_length: int | None = None) -> Tensor:
-    """Reduce ``[B, T]`` (or ``[B, 1]`` broadcast) per-token losses to a scalar; see the module docstring."""
+def aggregate(per_token: Tensor, mask: Tensor, how: str, max_completion_length: int | None = None,
+              totals: BatchTotals | None = None) -> Tensor:
+    """Reduce ``[B, T]`` (or ``[B, 1]`` broadcast) per-token losses to a scalar; see the module docstring. With
+    ``totals`` the rows/tokens/width of the normalisers are the whole batch's, so the result is this share's part."""
     per_token = per_token.expand_as(mask)
+    rows = mask.shape[0] if totals is None else totals.rows
     if how == "seq":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(1, rows)
     if how == "token":
-        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+        return masked_mean(per_token, mask, totals)
     if how == "const":
-        width = max_completion_length or mask.shape[1]
-        return (per_token * mask).sum() / (mask.shape[0] * width)
+        width = max_completion_length or (mask.shape[1] if totals is None else totals.width)
+        return (per_token * mask).sum() / (max(1, rows) * width)
     raise ValueError(f"unknown aggregation {how!r}")
 
 
@@ -157,7 +242,11 @@ class PolicyLoss:
       ``sg(logprobs)``: the policy just before this step).
 
     ``level="sequence"`` replaces ``log r`` by its masked mean over the row (GSPO).
+
+    Called with ``totals`` (a data-parallel share, see the module docstring) every normaliser, of the loss and of
+    the metrics, is the whole batch's: the loss and each metric are this share's parts of the whole-batch values.
     """
+
 
     def __init__(self, *, objective: str, aggregation: str, level: str = "token", epsilon: float = 0.2,
                  epsilon_high: float | None = None, delta: float | None = None, beta: float = 0.0,
@@ -200,8 +289,9 @@ class PolicyLoss:
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                  ref_logprobs: Tensor | None = None, *, entropy: Tensor | None = None,
-                 prox_logprobs: Tensor | None = None) -> tuple[Tensor, Metrics]:
+                 prox_logprobs: Tensor | None = None, totals: BatchTotals | None = None) -> tuple[Tensor, Metrics]:
         mask = mask.to(logprobs.dtype)
+        mean = functools.partial(masked_mean, totals=totals)
         adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
         coef = torch.exp(self._log_weights(logprobs - old_logprobs, mask))
         region = None
@@ -224,37 +314,38 @@ class PolicyLoss:
             q = torch.exp(self._log_weights(logprobs - prox, mask))
             clipped, region = self._clipped(q, adv)
             per_token = behav_w * clipped
-            metrics["behav_weight_mean"] = _f(masked_mean(behav_w.expand_as(mask), mask))
+            metrics["behav_weight_mean"] = _f(mean(behav_w.expand_as(mask), mask))
         else:
             raise ValueError(f"unknown objective {self.objective!r}")
         if self.off_policy_mask_threshold is not None:
             keep = off_policy_mask(advantages.unsqueeze(-1), logprobs, old_logprobs, mask,
                                    self.off_policy_mask_threshold)
             per_token = per_token * keep
-            metrics["off_policy_masked"] = _f(1 - keep.mean())
+            rows = keep.shape[0] if totals is None else totals.rows
+            metrics["off_policy_masked"] = _f((1 - keep).sum() / max(1, rows))
         if self.ratio_mask_threshold is not None:
             r = torch.exp(logprobs.detach() - old_logprobs)
             keep = ((r <= self.ratio_mask_threshold) & (r >= 1 / self.ratio_mask_threshold)).to(mask.dtype)
             per_token = per_token * keep
-            metrics["ratio_masked"] = _f(masked_mean(1 - keep, mask))
+            metrics["ratio_masked"] = _f(mean(1 - keep, mask))
         if self.beta != 0.0:
             if ref_logprobs is None:
                 raise ValueError("beta > 0 needs ref_logprobs")
             kl = k3_kl(logprobs, ref_logprobs)
             per_token = per_token + self.beta * kl
-            metrics["kl"] = _f(masked_mean(kl, mask))
-        loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length)
+            metrics["kl"] = _f(mean(kl, mask))
+        loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length, totals)
         metrics["policy_loss"] = _f(loss)
         if entropy is not None:
-            ent = masked_mean(entropy, mask)
+            ent = mean(entropy, mask)
             metrics["entropy"] = _f(ent)
             if self.entropy_coef:
                 loss = loss - self.entropy_coef * ent
         elif self.entropy_coef:
             raise ValueError("entropy_coef needs the per-token entropy")
         if region is not None:
-            metrics["clip_fraction"] = _f(masked_mean(region.expand_as(mask).to(mask.dtype), mask))
-        metrics["ratio_mean"] = _f(masked_mean(coef.detach().expand_as(mask), mask))
+            metrics["clip_fraction"] = _f(mean(region.expand_as(mask).to(mask.dtype), mask))
+        metrics["ratio_mean"] = _f(mean(coef.detach().expand_as(mask), mask))
         metrics["loss"] = _f(loss)
         if not math.isfinite(metrics["loss"]):
             metrics["nonfinite"] = 1.0
@@ -323,8 +414,9 @@ for _name, _factory in {"grpo": grpo, "bnpo": bnpo, "dapo": dapo, "dr_grpo": dr_
     register_loss(_name, _factory)
 
 
-def sft_loss(logprobs: Tensor, mask: Tensor) -> tuple[Tensor, Metrics]:
-    """Supervised fine-tuning: ``L = -sum(logp m) / max(1, sum m)`` (mean NLL of completion tokens)."""
+def sft_loss(logprobs: Tensor, mask: Tensor, *, totals: BatchTotals | None = None) -> tuple[Tensor, Metrics]:
+    """Supervised fine-tuning: ``L = -sum(logp m) / max(1, sum m)`` (mean NLL of completion tokens); with
+    ``totals`` the denominator is the whole batch's token count (a data-parallel share)."""
     mask = mask.to(logprobs.dtype)
-    loss = -(logprobs * mask).sum() / mask.sum().clamp(min=1.0)
+    loss = -masked_mean(logprobs, mask, totals)
     return loss, {"loss": _f(loss), "nll": _f(loss)}

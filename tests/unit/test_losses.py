@@ -260,3 +260,88 @@ def test_ratio_mask_threshold_drops_far_off_policy_tokens():
     assert m["ratio_masked"] == pytest.approx(2 / 3)
     with pytest.raises(ConfigError):
         make_loss("grpo", ratio_mask_threshold=0.5)
+
+
+SHARE_KW = {"beta": 0.03, "entropy_coef": 0.01, "off_policy_mask_threshold": 0.2, "ratio_mask_threshold": 2.0}
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_shares_of_rows_sum_to_the_whole_batch(name):
+    """Data parallelism: the loss, its gradient and every metric of the whole batch are the sums of the rows'
+    shares computed with the whole batch's ``totals`` (rows split 3 + 1, as dp ranks would)."""
+    from consumers.losses import BatchTotals, dp_share
+
+    logp, old, adv, mask, ref, ent = case(seed=5)
+    fn = make_loss(name, **SHARE_KW)
+    whole, whole_m = fn(logp, old, adv, mask, ref, entropy=ent)
+    (g_whole,) = torch.autograd.grad(whole, logp)
+    totals = BatchTotals(rows=4, tokens=float(mask.sum()), width=mask.shape[1])
+    total, metrics, grad = torch.zeros(()), {}, torch.zeros_like(logp)
+    for rows in (slice(0, 3), slice(3, 4)):
+        part = dp_share(fn, totals, real_rows=rows.stop - rows.start, scale=2.0)
+        lp = logp.detach()[rows].clone().requires_grad_(True)
+        loss, m = part(lp, old[rows], adv[rows], mask[rows], ref[rows], entropy=ent[rows])
+        (g,) = torch.autograd.grad(loss, lp)
+        total, grad[rows] = total + loss.detach() / 2.0, g / 2.0  # scale 2 = the dp factor FSDP's mean undoes
+        for k, v in m.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+    assert total.item() == pytest.approx(whole.item(), rel=1e-6, abs=1e-7)
+    assert torch.allclose(grad, g_whole, rtol=1e-5, atol=1e-7)
+    assert set(metrics) == set(whole_m) - {"nonfinite"}
+    for k, v in metrics.items():
+        assert v == pytest.approx(whole_m[k], rel=1e-5, abs=1e-7), k
+
+
+@pytest.mark.parametrize("aggregation", ["seq", "token", "const"])
+def test_user_loss_declaring_its_aggregation_is_rescaled_to_its_share(aggregation):
+    from consumers.losses import BatchTotals, aggregate, dp_share, splits_rows
+
+    def factory():
+        def fn(logprobs, old_logprobs, advantages, mask, ref_logprobs=None):
+            per_token = -torch.exp(logprobs - old_logprobs) * advantages[:, None]
+            loss = aggregate(per_token, mask, aggregation, max_completion_length=8)
+            return loss, {"loss": float(loss)}
+
+        fn.aggregation = aggregation
+        return fn
+
+    register_loss("test_declared", factory)
+    fn = make_loss("test_declared")
+    assert splits_rows(fn)
+    logp, old, adv, mask, _, _ = case(seed=6)
+    whole, _ = fn(logp, old, adv, mask)
+    totals = BatchTotals(rows=4, tokens=float(mask.sum()), width=mask.shape[1])
+    shares = [dp_share(fn, totals, real_rows=2)(logp[r], old[r], adv[r], mask[r]) for r in (slice(0, 2), slice(2, 4))]
+    assert sum(float(loss) for loss, _ in shares) == pytest.approx(whole.item(), rel=1e-6)
+    assert sum(m["loss"] for _, m in shares) == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_a_loss_declaring_nothing_does_not_split_rows():
+    from consumers.losses import BatchTotals, dp_share, splits_rows
+
+    def plain(logprobs, old_logprobs, advantages, mask, ref_logprobs=None):
+        return -(logprobs * mask).mean(), {}
+
+    def keywords(logprobs, old_logprobs, advantages, mask, ref_logprobs=None, **extra):
+        return -(logprobs * mask).mean(), {}
+
+    def with_totals(logprobs, old_logprobs, advantages, mask, ref_logprobs=None, *, totals=None):
+        return -(logprobs * mask).sum() / totals.tokens, {}
+
+    assert not splits_rows(plain) and not splits_rows(keywords)  # **extra is not a declaration
+    assert splits_rows(with_totals) and all(splits_rows(make_loss(n)) for n in BUILTINS)
+    register_loss("test_plain", lambda: plain)
+    assert not splits_rows(make_loss("test_plain"))
+    with pytest.raises(ValueError):
+        dp_share(plain, BatchTotals(rows=1, tokens=1.0, width=1), real_rows=1)
+
+
+def test_sft_loss_share():
+    from consumers.losses import BatchTotals
+
+    logp = torch.tensor([[-9.0, -1.0, -3.0], [-1.0, -2.0, -6.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    whole, _ = sft_loss(logp, mask)
+    totals = BatchTotals(rows=2, tokens=4.0, width=3)
+    parts = [sft_loss(logp[i:i + 1], mask[i:i + 1], totals=totals)[0] for i in range(2)]
+    assert sum(p.item() for p in parts) == pytest.approx(whole.item()) == pytest.approx(7 / 4)
