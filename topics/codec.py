@@ -140,8 +140,6 @@ class _Plan:
         self.get_tensors = _getter(tuple(s.name for s in tensors))
         self.plain_names = tuple(s.name for s in self.plain)
         self.get_plain = _getter(self.plain_names)
-        # The plain fields are packed as one flat list [key, value, key, value, ...]: past the array header, its
-        # bytes are exactly the map entries.
         self.plain_pairs = [x for name in self.plain_names for x in (name, None)]
         # After the map header: the bytes a canonical message of this class starts with ("schema" and "v").
         self.head_key = msgpack.packb("schema") + msgpack.packb(cls.SCHEMA) + msgpack.packb("v") + msgpack.packb(
@@ -171,12 +169,14 @@ _LOCAL = threading.local()
 
 
 def _pack(obj: Any) -> bytes:
-    """``msgpack.packb`` with one reused packer per thread (a packer is not thread-safe, and costs to create)."""
+    """``msgpack.packb(obj, use_bin_type=True)`` with one reused packer per thread (a packer is not thread-safe,
+    and costs to create). The packer is taken out while in use, so a nested call (say, from a dict subclass's
+    ``items``) gets a fresh one."""
+    packer = _LOCAL.__dict__.pop("packer", None) or msgpack.Packer(use_bin_type=True)
     try:
-        packer = _LOCAL.packer
-    except AttributeError:
-        packer = _LOCAL.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(obj)
+        return packer.pack(obj)
+    finally:
+        _LOCAL.packer = packer
 
 
 _REGISTRY: dict[tuple[str, int], type] = {}
@@ -247,8 +247,8 @@ def _tensor_head(pack: Any, prefix: bytes, shape: tuple[int, ...], nbytes: int) 
     return pack(*args, _DATA_BIN32, nbytes)
 
 
-def _pieces(plan: _Plan, msg: Any, convert: bool) -> list[Any]:
-    """The buffers whose concatenation is the message; ``convert`` also copies non-C-contiguous arrays."""
+def _encode_canonical(plan: _Plan, msg: Any, convert: bool) -> bytes:
+    """The canonical layout of ``msg``; ``convert`` also copies arrays that are not C-contiguous."""
     pieces: list[Any] = [plan.head]
     for (ndim, prefix, pack, dtype, itemsize), arr in zip(plan.writers, plan.get_tensors(msg)):
         if type(arr) is not np.ndarray or (arr.dtype is not dtype and arr.dtype != dtype) or arr.ndim != ndim or (
@@ -259,11 +259,12 @@ def _pieces(plan: _Plan, msg: Any, convert: bool) -> list[Any]:
             pieces += (pack(prefix, n, _DATA_BIN32, n * itemsize), arr)
         else:
             pieces += (_tensor_head(pack, prefix, arr.shape, arr.nbytes), arr)
+    # The plain fields packed as one flat list [key, value, key, value, ...]: past the array header, exactly the
+    # map's remaining entries.
     pairs = plan.plain_pairs.copy()
     pairs[1::2] = plan.get_plain(msg)
-    plain = _pack(pairs)
-    pieces.append(memoryview(plain)[1 if len(pairs) < 16 else 3 if len(pairs) < 2**16 else 5:])
-    return pieces
+    pieces.append(memoryview(_pack(pairs))[1 if len(pairs) < 16 else 3 if len(pairs) < 2**16 else 5:])
+    return b"".join(pieces)
 
 
 def encode(msg: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
@@ -279,9 +280,9 @@ def encode(msg: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
         plan.validate(msg)
     try:
         try:
-            data = b"".join(_pieces(plan, msg, False))
+            data = _encode_canonical(plan, msg, False)
         except TypeError:  # maybe a non-contiguous array, which exports no plain buffer: copy it
-            data = b"".join(_pieces(plan, msg, True))
+            data = _encode_canonical(plan, msg, True)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError, struct.error) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import msgpack
 import numpy as np
@@ -295,3 +296,23 @@ def test_plain_values_of_another_type_get_the_generic_checks(msg: object, expect
     else:
         with pytest.raises(expected):
             codec.decode(data)
+
+
+class _EncodesWhileIterated(dict):
+    """A dict whose ``items`` (msgpack calls it for a dict subclass) encodes another message on the same thread."""
+
+    def items(self) -> object:
+        codec.encode(_episode(episode_id="nested"))
+        return super().items()
+
+
+def test_encode_is_reentrant_and_thread_safe() -> None:
+    """Each thread reuses one msgpack packer, but a nested or concurrent encode never shares it."""
+    plain = codec.encode(_episode(created_at=1.0))
+    assert codec.encode(_episode(created_at=1.0, reward_components=_EncodesWhileIterated(toy=1.0))) == plain
+    eps = [_episode(episode_id=f"g/{i}", created_at=1.0, response_tokens=np.arange(i, dtype=np.int32),
+                    logprobs=np.zeros(i, np.float32), token_versions=np.zeros(i, np.int32)) for i in range(64)]
+    expected = [codec.encode(ep) for ep in eps]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            assert list(pool.map(codec.encode, eps)) == expected
