@@ -6,21 +6,23 @@ through ``init_weight_transfer_engine`` exactly as the ``WeightReceiver`` does i
 requests in flight the whole time ("live").
 
 * push: per version, the snapshot's header and buckets go over the pair group while the worker receives them on
-  its prefetch thread (generation continues); then ``engine.swap`` loads them (``update_weights``) inside the
-  pause. push bytes/s = snapshot bytes / trainer-side send time (the worker posted its receive first).
+  its prefetch thread and stages them in its shadow model (generation continues); once ``weightsync_ready`` says
+  so, ``engine.swap`` commits them (``update_weights``) inside the pause. push bytes/s = snapshot bytes /
+  trainer-side send time (the worker posted its receive first).
 * raw: the same buffers broadcast over the same pair group into plain receives on the same worker thread that
   prefetches pushes, also while generating (nothing decoded or loaded). A 1-byte broadcast first makes sure the
   receiver is waiting, then the bulk is timed.
-* pause: ``Engine.swap`` milliseconds per version (pause_generation(keep) + load + resume) on the tiny model.
-  Every other tiny swap instead pauses the scheduler directly (``engine_core.pause_scheduler_async``), skipping
-  the fixed 20 ms sleep ``AsyncLLM.pause_generation`` adds after pausing; reported as
-  ``pause_ms_without_settle_sleep`` to size that change.
+* pause: ``Engine.swap`` milliseconds per version on the tiny model, and its phases (medians):
+  ``pause`` (until the scheduler is idle), ``load`` (the ``update_weights`` RPC), ``resume``; from the worker:
+  ``worker_commit`` (the in-pause copy), ``worker_reload`` (an in-pause layerwise reload: 0 when staged) and
+  ``stage_before_pause`` (the layerwise reload into the shadow, outside the pause). ``--no-staged`` measures the
+  unstaged path (the reload inside the pause) for comparison.
 
 Rounds alternate (push, raw, push, raw...) and medians are compared. Reported besides: load ms and the end-to-end
 ratio raw / (send + pause). Last line: ``{"bench": "weightsync", "bytes_per_s_vs_broadcast": X, "pause_ms": Y}``
 (goals: X >= 0.9, Y <= 50).
 
-Usage: ``python bench/weightsync.py [--swaps N] [--hidden H --layers L]`` (H/L size the throughput model; the
+Usage: ``python bench/weightsync.py [--swaps N] [--hidden H --layers L] [--no-staged]`` (H/L size the throughput model; the
 pause is measured on the tiny model in the same engine run when --hidden is 0).
 """
 
@@ -34,7 +36,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -74,14 +75,14 @@ async def run(args: argparse.Namespace) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="bench-ws-"))
     model_dir = build_model(tmp / "model", args.hidden, args.layers)
     base = load_file(str(model_dir / "model.safetensors"))
-    cfg = WeightSyncConfig(transport="gloo", timeout_s=60)
+    cfg = WeightSyncConfig(transport="gloo", timeout_s=60, staged_load=args.staged)
     engine = Engine(str(model_dir), max_model_len=128, extra_args=vllm_args(cfg))
     await engine.start()
     llm = engine.llm
     rdzv = Rendezvous(timeout_s=60)
     pair = asyncio.ensure_future(asyncio.to_thread(trainer_pair, rdzv, "bench/1", timeout_s=60))
     await llm.init_weight_transfer_engine(WeightTransferInitRequest(
-        init_info={"address": rdzv.address, "session": "bench/1", "timeout_s": 60.0}))
+        init_info={"address": rdzv.address, "session": "bench/1", "timeout_s": 60.0, "staged": args.staged}))
     pg = await pair
 
     stop = asyncio.Event()
@@ -97,7 +98,7 @@ async def run(args: argparse.Namespace) -> dict:
     while engine.tokens_out < 16:
         await asyncio.sleep(0.01)
 
-    push_s, raw_s, pauses, direct, loads, nbytes = [], [], [], [], [], 0
+    push_s, raw_s, pauses, phases, loads, nbytes = [], [], [], [], [], 0
     g = torch.Generator().manual_seed(0)
     for v in range(1, args.swaps + 1):
         named = [(k, t + 0.01 * torch.randn(t.shape, generator=g)) for k, t in base.items()]
@@ -108,26 +109,21 @@ async def run(args: argparse.Namespace) -> dict:
         await llm.start_weight_update()
         await asyncio.sleep(0.01)
         push_s.append(await asyncio.to_thread(send_push, pg, snap))
+        while not (await llm.collective_rpc("weightsync_ready"))[0]["done"]:  # received and staged, as the
+            await asyncio.sleep(0.005)  # WeightReceiver waits before it pauses
         request = WeightTransferUpdateRequest(update_info={"version": v})
 
         async def update(llm, request=request):
             await llm.update_weights(request)
 
-        if v % 2 or not args.compare_direct:
-            pauses.append(await engine.swap(v, update, mode="keep"))
-        else:  # the same swap without AsyncLLM.pause_generation's fixed 20 ms settle sleep (informational)
-            t0 = time.perf_counter()
-            await llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=True)
-            try:
-                await update(llm)
-                engine.version = v
-            finally:
-                await llm.resume_generation()
-            direct.append((time.perf_counter() - t0) * 1000)
+        pauses.append(await engine.swap(v, update, mode="keep"))
         await llm.finish_weight_update(weight_version=str(v))
         stats = (await llm.collective_rpc("weightsync_stats"))[0]
         assert int(stats["version"]) == v, stats
-        loads.append((stats["init_s"] + stats["load_s"] + stats["finalize_s"]) * 1000)
+        loads.append((stats["init_s"] + stats["load_s"] + stats["finalize_s"] + stats["commit_s"]) * 1000)
+        phases.append({**engine.last_swap_ms, "worker_commit": stats["commit_s"] * 1000,
+                       "worker_reload": (stats["init_s"] + stats["load_s"] + stats["finalize_s"]) * 1000,
+                       "stage_before_pause": stats["stage_s"] * 1000})
         # raw: the same buffers over the same pair group, nothing loaded
         sizes = [1] + [int(b.numel()) for b in snap.buffers if b.numel()]
         await llm.collective_rpc("weightsync_raw_prefetch", args=(sizes,))
@@ -148,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict:
         "model_bytes": nbytes, "swaps": args.swaps,
         "push_MBps": nbytes / push / 1e6, "raw_MBps": nbytes / rawm / 1e6,
         "bytes_per_s_vs_broadcast": rawm / push, "pause_ms": pause, "pause_ms_max": max(pauses),
-        "pause_ms_without_settle_sleep": statistics.median(direct) if direct else None,
+        "pause_phases_ms": {k: round(statistics.median(p[k] for p in phases), 2) for k in phases[0]},
         "load_ms": statistics.median(loads), "e2e_vs_broadcast": rawm / (push + pause / 1000),
         "tokens_generated": engine.tokens_out,
     }
@@ -161,14 +157,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--throughput-hidden", type=int, default=1024,
                     help="a second run on a wider model for the bandwidth ratio (0 = skip)")
+    ap.add_argument("--staged", action=argparse.BooleanOptionalAction, default=True,
+                    help="stage each push in a shadow model before the pause (the default, as in the generator)")
     args = ap.parse_args()
-    tiny = asyncio.run(run(argparse.Namespace(**{**vars(args), "compare_direct": True})))
+    tiny = asyncio.run(run(args))
     print(json.dumps({"run": "tiny", **tiny}), flush=True)
     result = {"bench": "weightsync", "pause_ms": round(tiny["pause_ms"], 2),
               "bytes_per_s_vs_broadcast": round(tiny["bytes_per_s_vs_broadcast"], 3)}
     if args.throughput_hidden and args.hidden <= 0:
         wide = asyncio.run(run(argparse.Namespace(swaps=args.swaps, hidden=args.throughput_hidden,
-                                                  layers=args.layers, compare_direct=False)))
+                                                  layers=args.layers, staged=args.staged)))
         print(json.dumps({"run": f"hidden{args.throughput_hidden}", **wide}), flush=True)
         result["bytes_per_s_vs_broadcast"] = round(wide["bytes_per_s_vs_broadcast"], 3)
         result["model_mb"] = round(wide["model_bytes"] / 1e6, 1)

@@ -9,10 +9,10 @@ engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extens
 mode and stamps every response token with ``engine.version`` at the moment that token arrived, so a weight swap
 in the middle of a sequence shows as a change of version inside one completion.
 
-``swap(version, load, mode="keep")`` is the weight hot-swap hook: ``pause_generation(mode)`` (``"keep"``
-freezes running requests in place, ``"wait"`` lets them finish first), ``await load(llm)``, set ``version``,
-``resume_generation()``; returns the pause in milliseconds. Swaps are serialised by a lock; the engine resumes
-even if ``load`` raises (the error propagates, the version is unchanged).
+``swap(version, load, mode="keep")`` is the weight hot-swap hook: pause (``"keep"`` freezes running requests in
+place, ``"wait"`` lets them finish first; KV and prefix caches are cleared), ``await load(llm)``, set ``version``,
+``resume_generation()``; returns the pause in milliseconds (``last_swap_ms`` has it by phase). Swaps are
+serialised by a lock; the engine resumes even if ``load`` raises (the error propagates, the version is unchanged).
 
 Behaviour logprobs: ``logprobs_mode`` ``"processed_logprobs"`` (default) gives log-probabilities of the
 distribution actually sampled from (after temperature/top-k/top-p), so with ``temperature=1`` and no truncation
@@ -82,6 +82,7 @@ class Engine:
         self._stopped = False
         self.swaps = 0
         self.tokens_out = 0
+        self.last_swap_ms: dict[str, float] = {}  # phases of the last swap: pause, load, resume
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,21 +182,35 @@ class Engine:
         """Pause generation, ``await load(llm)``, adopt ``version``, resume; returns the pause in ms.
 
         ``mode="keep"`` freezes in-flight requests (their later tokens carry the new version); ``"wait"`` lets
-        them finish on the old weights first. Always resumes, even when ``load`` raises.
+        them finish on the old weights first. Always resumes, even when ``load`` raises. ``last_swap_ms`` holds
+        the phases of the last swap: ``pause`` (until the scheduler is idle), ``load``, ``resume``.
+
+        The pause is ``AsyncLLM.pause_generation`` without its two extras: the multimodal cache is cleared before
+        pausing (nothing needs the engine paused for it) and its fixed 20 ms settle sleep is skipped. That sleep
+        only lets outputs of the old weights reach their streams before it returns; here they are stamped right:
+        the scheduler's pause reply follows every such output on the engine's output socket, so they are queued
+        before the pause returns, and the output handler and ``generate`` run while ``load`` awaits the worker
+        (an RPC round trip at least), before ``version`` changes.
         """
         if self.llm is None:
             raise RuntimeError("Engine.start() was not called")
         async with self._swap_lock:
+            await self.llm.renderer.clear_mm_cache_async()
             t0 = time.perf_counter()
             # clear_cache: no request may reuse KV computed by the old weights (frozen ones are recomputed)
-            await self.llm.pause_generation(mode=mode, clear_cache=True)
+            await self.llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=True)
+            t1 = t2 = time.perf_counter()
             try:
                 await load(self.llm)
+                t2 = time.perf_counter()
                 self.version = version
                 self.swaps += 1
             finally:
                 await self.llm.resume_generation()
-            return (time.perf_counter() - t0) * 1000.0
+                t3 = time.perf_counter()
+                self.last_swap_ms = {"pause": (t1 - t0) * 1000, "load": (t2 - t1) * 1000,
+                                     "resume": (t3 - t2) * 1000}
+            return (t3 - t0) * 1000.0
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:

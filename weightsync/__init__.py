@@ -3,9 +3,11 @@
 * ``vllm_args(cfg)``: the engine keyword arguments a generator's ``Engine`` needs (worker extension and, for the
   collective transports, ``weight_transfer_config``).
 * ``WeightPublisher`` (trainer, ``publisher.py``) and ``WeightReceiver`` (generator, ``receiver.py``).
-* Transports: ``gloo`` (pair groups over torch.distributed gloo, ``collective.py``; vLLM side ``vllm_engine.py``
-  registered via ``WeightTransferEngineFactory.register_engine``), ``file`` (safetensors in shared storage +
-  ``reload_weights``, ``files.py``). ``nccl`` (GPU) currently rides the gloo pair groups through host memory.
+* Transports: ``gloo`` and ``nccl`` (pair groups over torch.distributed, ``collective.py``: the same code, gloo
+  through host memory, NCCL GPU to GPU; the NCCL path is written and has a two-GPU test, not yet run in CI; vLLM
+  side ``vllm_engine.py`` registered via ``WeightTransferEngineFactory.register_engine``), ``file`` (safetensors in
+  shared storage + ``reload_weights``, ``files.py``).
+* Each push is staged before the engine pauses (``staging.py``), so the pause holds only a tensor copy.
 * The bytes of a push: ``wire.py``; membership, acks and fencing: ``members.py``.
 
 vLLM is only imported inside the generator; the trainer needs torch and NATS only.

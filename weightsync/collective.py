@@ -1,4 +1,8 @@
-"""Point-to-point weight pushes over torch.distributed gloo process groups, one group per generator.
+"""Point-to-point weight pushes over torch.distributed process groups, one 2-rank group per generator.
+
+One code path for both backends: ``gloo`` (CPU tensors, any host) and ``nccl`` (CUDA tensors: the trainer's
+snapshot buckets on its GPU are broadcast straight into buffers on the generator's GPU, no host copy). Only the
+process-group class and the device of the buffers differ; on CPU the same code runs over gloo.
 
 Why a pair group per generator and not one group of all of them: generators join, leave and die while the trainer
 runs. A collective over a group with a dead member fails for every member, and re-forming one big group on every
@@ -7,7 +11,14 @@ generator dies; the trainer drops it and the generator forms a new one when it r
 
 Rendezvous: the trainer runs one ``TCPStore`` server (``Rendezvous``); each pair uses a ``PrefixStore`` named by a
 session string both sides know (the generator's join message), so pairs never mix keys. Every call here is bounded
-by the timeout given at group creation (gloo raises after it), so no caller can hang on a dead peer.
+by the timeout given at group creation, so no caller can hang on a dead peer: gloo raises after it; NCCL groups are
+made with ``TORCH_NCCL_BLOCKING_WAIT=1`` (``wait()`` blocks the calling thread and raises at the timeout) and
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (a timed-out communicator is aborted, the process lives on), both set only
+if the environment does not set them already.
+
+Status of the NCCL path: written to the same protocol and exercised by a CUDA test
+(``tests/integration/test_weightsync_collective.py``, skipped without two CUDA devices, since NCCL refuses two
+ranks on one GPU); it has not been run on a GPU yet. The gloo path is the one tested in CI.
 
 Messages of one push, all broadcasts from rank 0 (see ``weightsync/wire.py``): a ``PREAMBLE``-byte message with the
 header's length (int64) and the header itself when it fits (else the header follows as its own message), then each
@@ -18,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 
 import torch
@@ -61,7 +73,15 @@ class Rendezvous:
         self._store = None  # type: ignore[assignment]
 
 
-def _options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:
+BACKENDS = ("gloo", "nccl")
+
+
+def nccl_usable() -> bool:
+    """Whether this process can make NCCL pair groups (a CUDA device and a torch built with NCCL)."""
+    return torch.cuda.is_available() and torch.distributed.is_nccl_available()
+
+
+def _gloo_options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     opts._devices = [ProcessGroupGloo.create_device(hostname=host)] if host else [
@@ -70,27 +90,52 @@ def _options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:
     return opts
 
 
-def trainer_pair(rdzv: Rendezvous, session: str, *, timeout_s: float) -> ProcessGroupGloo:
+def _group(store, rank: int, *, backend: str, host: str, timeout_s: float):
+    """A 2-rank process group of ``backend`` on ``store``; every collective on it is bounded by ``timeout_s``."""
+    if backend == "gloo":
+        return ProcessGroupGloo(store, rank, 2, _gloo_options(host, timeout_s))
+    if backend == "nccl":
+        if not nccl_usable():
+            raise TransferFailed("pair", "the nccl backend needs a CUDA device and a torch built with NCCL")
+        from torch.distributed import ProcessGroupNCCL
+
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # wait() blocks this thread, raises at the timeout
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")  # abort a timed-out pair, keep the process
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = datetime.timedelta(seconds=timeout_s)
+        return ProcessGroupNCCL(store, rank, 2, opts)
+    raise ValueError(f"unknown pair backend {backend!r} (expected one of {BACKENDS})")
+
+
+def device_of(backend: str, device: torch.device | str | None = None) -> torch.device:
+    """Where a pair's buffers live: the given CUDA device (default: the current one) for nccl, CPU for gloo."""
+    if backend == "nccl":
+        return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def trainer_pair(rdzv: Rendezvous, session: str, *, timeout_s: float, backend: str = "gloo"):
     """Rank 0 of the pair ``session``; blocks until the generator connects or ``timeout_s`` passes."""
     try:
-        return ProcessGroupGloo(rdzv.store(session), 0, 2, _options(rdzv.host, timeout_s))
+        return _group(rdzv.store(session), 0, backend=backend, host=rdzv.host, timeout_s=timeout_s)
     except RuntimeError as exc:
         raise TransferFailed(session, f"rendezvous: {exc}") from exc
 
 
-def generator_pair(address: str, session: str, *, timeout_s: float, host: str = "") -> ProcessGroupGloo:
+def generator_pair(address: str, session: str, *, timeout_s: float, host: str = "", backend: str = "gloo"):
     """Rank 1 of the pair ``session`` against the trainer's store at ``address``; bounded by ``timeout_s``."""
     store_host, _, port = address.rpartition(":")
     try:
         store = TCPStore(store_host, int(port), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
         local = host or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
-        return ProcessGroupGloo(PrefixStore(f"pair/{session}", store), 1, 2, _options(local, timeout_s))
+        return _group(PrefixStore(f"pair/{session}", store), 1, backend=backend, host=local, timeout_s=timeout_s)
     except (RuntimeError, ValueError) as exc:
         raise TransferFailed(address, f"rendezvous {session}: {exc}") from exc
 
 
-def _bcast(pg: ProcessGroupGloo, tensor: torch.Tensor, peer: str) -> None:
+def _bcast(pg, tensor: torch.Tensor, peer: str) -> None:
+    """Broadcast ``tensor`` from rank 0 and wait (bounded by the group's timeout; see the module docstring)."""
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
     try:
@@ -105,53 +150,62 @@ def _bcast(pg: ProcessGroupGloo, tensor: torch.Tensor, peer: str) -> None:
 PREAMBLE = 16 * 1024  # bytes: 8-byte header length, then the header itself when it fits
 
 
-def send_push(pg: ProcessGroupGloo, snapshot: Snapshot, *, peer: str = "generator") -> float:
-    """Send one snapshot (preamble with the header, then buckets) as rank 0; returns seconds spent. Raises
+def send_push(pg, snapshot: Snapshot, *, peer: str = "generator") -> float:
+    """Send one snapshot (preamble with the header, then buckets) as rank 0; returns seconds spent. The messages
+    go from the device of the snapshot's buckets (CPU for gloo, the trainer's GPU for nccl). Raises
     ``TransferFailed`` or ``TimeoutExpired`` (bounded by the group's timeout)."""
     t0 = time.perf_counter()
+    device = snapshot.buffers[0].device if snapshot.buffers else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL runs on this thread's current device
     header = snapshot.layout.to_header()
     preamble = torch.zeros(PREAMBLE, dtype=torch.uint8)
     preamble[:8].view(torch.int64)[0] = len(header)
     if len(header) <= PREAMBLE - 8:
         preamble[8:8 + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-    _bcast(pg, preamble, peer)
+    _bcast(pg, preamble.to(device), peer)
     if len(header) > PREAMBLE - 8:
-        _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8), peer)
+        _bcast(pg, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), peer)
     for buf in snapshot.buffers:
         if buf.numel():
             _bcast(pg, buf, peer)
     return time.perf_counter() - t0
 
 
-def recv_header(pg: ProcessGroupGloo, *, peer: str = "trainer") -> Layout:
-    """Receive the header of a push as rank 1 (one message unless the header exceeds the preamble)."""
-    preamble = torch.empty(PREAMBLE, dtype=torch.uint8)
+def recv_header(pg, *, peer: str = "trainer", device: torch.device | str = "cpu") -> Layout:
+    """Receive the header of a push as rank 1 (one message unless the header exceeds the preamble) into buffers on
+    ``device`` (the pair's: CPU for gloo, this generator's GPU for nccl); parsed on the host."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)  # NCCL runs on this thread's current device
+    preamble = torch.empty(PREAMBLE, dtype=torch.uint8, device=device)
     _bcast(pg, preamble, peer)
+    preamble = preamble.cpu()
     n = int(preamble[:8].view(torch.int64)[0])
     if n <= PREAMBLE - 8:
         raw = preamble[8:8 + n]
     else:
-        raw = torch.empty(n, dtype=torch.uint8)
+        raw = torch.empty(n, dtype=torch.uint8, device=device)
         _bcast(pg, raw, peer)
+        raw = raw.cpu()
     return Layout.from_header(raw.numpy().tobytes())
 
 
-def recv_buckets(pg: ProcessGroupGloo, layout: Layout, *, peer: str = "trainer"):
-    """Yield ``(bucket_index, buffer)`` as each bucket of the push arrives (rank 1)."""
+def recv_buckets(pg, layout: Layout, *, peer: str = "trainer", device: torch.device | str = "cpu"):
+    """Yield ``(bucket_index, buffer)`` as each bucket of the push arrives on ``device`` (rank 1)."""
     for i, nbytes in enumerate(layout.buckets):
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if nbytes:
             _bcast(pg, buf, peer)
         yield i, buf
 
 
-def recv_push(pg: ProcessGroupGloo, *, peer: str = "trainer") -> Snapshot:
-    """Receive a whole push into fresh buffers (rank 1)."""
-    layout = recv_header(pg, peer=peer)
-    return Snapshot(layout=layout, buffers=[b for _, b in recv_buckets(pg, layout, peer=peer)])
+def recv_push(pg, *, peer: str = "trainer", device: torch.device | str = "cpu") -> Snapshot:
+    """Receive a whole push into fresh buffers on ``device`` (rank 1)."""
+    layout = recv_header(pg, peer=peer, device=device)
+    return Snapshot(layout=layout, buffers=[b for _, b in recv_buckets(pg, layout, peer=peer, device=device)])
 
 
-def raw_broadcast(pg: ProcessGroupGloo, buffers: list[torch.Tensor], *, peer: str = "peer") -> float:
+def raw_broadcast(pg, buffers: list[torch.Tensor], *, peer: str = "peer") -> float:
     """Broadcast the given buffers from rank 0 with nothing else (the benchmark's baseline); returns seconds."""
     t0 = time.perf_counter()
     for buf in buffers:

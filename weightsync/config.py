@@ -12,8 +12,9 @@ class WeightSyncConfig:
     """How new weights reach the generators.
 
     ``transport``: ``gloo`` pushes over a 2-rank torch.distributed gloo group per generator (CPU, any host);
-    ``nccl`` is the GPU choice (today it rides the same per-generator gloo groups through host memory: correct but
-    not GPU-direct, see ``weightsync/__init__.py``); ``file`` writes safetensors to ``shared_dir`` and generators
+    ``nccl`` over a 2-rank NCCL group per generator, from the trainer's GPU straight into the generator's GPU (the
+    same code as gloo, see ``weightsync/collective.py``; needs CUDA and NCCL on both sides; written and covered by
+    a two-GPU test that has not run in CI yet); ``file`` writes safetensors to ``shared_dir`` and generators
     ``reload_weights`` from there; ``auto`` = nccl with CUDA, else gloo.
     """
 
@@ -30,6 +31,8 @@ class WeightSyncConfig:
     heartbeat_s: float = 2.0  # generator membership heartbeat period
     member_timeout_s: float = 10.0  # a generator silent for this long is dropped from the membership
     pause_mode: str = "keep"  # vLLM pause_generation mode around a swap: "keep" | "wait"
+    staged_load: bool = True  # collective transports: stage each push in a shadow model before pausing (one more
+    # copy of the weights in the generator; see weightsync/staging.py); False = reload inside the pause
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "nccl", "gloo", "file"):

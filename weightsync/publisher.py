@@ -5,7 +5,9 @@
 1. snapshot: the Hugging Face-named tensors are copied into flat buckets (``weightsync/wire.py``), so training
    may go on while the copy travels (``submit`` returns right after this step: the overlap handle);
 2. transport: ``file`` writes ``<shared_dir>/v<version>/model.safetensors``; ``gloo``/``nccl`` queue a push of the
-   snapshot on every member's pair group (one sender thread per generator, so a slow or dead one delays nobody);
+   snapshot on every member's pair group (one sender thread per generator, so a slow or dead one delays nobody).
+   ``nccl`` pair groups are NCCL groups and the snapshot's buckets stay on the trainer's current CUDA device, so a
+   push goes GPU to GPU (``weightsync/collective.py``); it needs CUDA and NCCL here (checked at ``start``);
 3. the ``PolicyVersion`` is written to the KV store with compare-and-set (``StaleWriter`` if another trainer wrote
    first) which also notifies ``names.policy_subject``;
 4. acks (``VersionAck`` on ``names.ack_subject``) are collected until every targeted member acked or
@@ -40,11 +42,11 @@ import orjson
 import torch
 
 from topics import codec
-from topics.errors import StaleWriter, StreamforgeError
+from topics.errors import ConfigError, StaleWriter, StreamforgeError
 from topics.names import Names
 from topics.nats import PolicyStore, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
-from weightsync.collective import Rendezvous, send_push, trainer_pair
+from weightsync.collective import Rendezvous, device_of, nccl_usable, send_push, trainer_pair
 from weightsync.config import WeightSyncConfig
 from weightsync.files import write_version
 from weightsync.members import FENCED_KEY, Member, Registry
@@ -125,6 +127,8 @@ class WeightPublisher:
     async def start(self) -> None:
         if self._started:
             return
+        if self.transport == "nccl" and not nccl_usable():
+            raise ConfigError("weightsync.transport", "nccl needs a CUDA device and a torch built with NCCL")
         self._started = True
         await self.store.start()
         pv, self._rev = await self.store.latest()
@@ -193,7 +197,9 @@ class WeightPublisher:
             raise VersionRegression(f"version {version} is not newer than the published {self.latest_version}")
         self.latest_version = version
         t0 = time.perf_counter()
-        snapshot = pack(named_tensors(), version=version, step=step, bucket_bytes=self.cfg.bucket_bytes)
+        device = device_of(self.transport) if self.transport == "nccl" else "cpu"
+        snapshot = pack(named_tensors(), version=version, step=step, bucket_bytes=self.cfg.bucket_bytes,
+                        device=device)
         snapshot_s = time.perf_counter() - t0
         previous = self._round
         self._round = asyncio.ensure_future(self._run_round(previous, snapshot, list(batch_ids), snapshot_s))
@@ -345,7 +351,8 @@ class WeightPublisher:
             reply = self._latest_pv
             if self.collective and self._rdzv is not None and msg.reply:  # a plain announcement opens no pair
                 pair = _Pair(session=m.session)
-                pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s)
+                pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s,
+                                                  backend=self.transport)
                 m.state = pair
                 if self._latest is not None and self._latest.version > mem.version:
                     fut = self._queue_push(pair, m.generator_id, self._latest)

@@ -10,10 +10,11 @@ role supervises ``loop()``, then ``stop()`` (which says ``leave``). ``loop()`` r
   - ``file``: ``engine.swap(v, reload_weights(weights_path=pv.path))``;
   - ``gloo``/``nccl``: if not joined to that trainer's rendezvous yet (or the pair broke), *join*: a NATS request
     on the membership subject that the trainer answers after starting its side of the pair group, with the version
-    it will push at once (``-1`` for none); then ``init_weight_transfer_engine``. Each push is prefetched into host
-    memory by the worker while generation continues (``weightsync_prefetch``), and only the load happens inside
-    ``engine.swap`` (``start_weight_update`` / ``update_weights`` / ``finish_weight_update``), so the pause is
-    the load, not the transfer;
+    it will push at once (``-1`` for none); then ``init_weight_transfer_engine``. Each push is received and
+    staged by the worker while generation continues (``weightsync_prefetch``: the transfer, then vLLM's layerwise
+    reload into a shadow model, ``weightsync/staging.py``); the receiver waits for that (``weightsync_ready``)
+    before it pauses, so the pause holds only ``update_weights``, which commits the staged version (tensor copies);
+    ``start_weight_update`` comes before the pause and ``finish_weight_update`` after it;
   - ``none``: the initial weights of the model path; adopted without loading.
 
   and publishes a ``VersionAck`` (ok, pause and transfer times, or the error). A failed transfer drops the pair;
@@ -136,7 +137,8 @@ class WeightReceiver:
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         info = {"address": address, "session": f"{msg.generator_id}/{msg.pid}/{msg.created_at:.6f}",
-                "timeout_s": self.cfg.timeout_s, "host": self.cfg.generator_host}
+                "timeout_s": self.cfg.timeout_s, "host": self.cfg.generator_host,
+                "staged": self.cfg.staged_load, "backend": "nccl" if (reply.transport or pv.transport) == "nccl" else "gloo"}
         await self._rpc(self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                         "init_weight_transfer_engine")
         self._address = address
@@ -214,8 +216,9 @@ class WeightReceiver:
         t0 = time.perf_counter()
         llm = self.engine.llm
         await self._rpc(llm.collective_rpc("weightsync_prefetch", args=(version,)), "prefetch")
+        await self._wait_staged(llm)
         # start is a no-op for the gloo engine and finish has nothing left to do after update_weights, so only
-        # update_weights (the load) sits inside the pause.
+        # update_weights (the commit of the staged version) sits inside the pause.
         await self._begin_update(llm)
         request = WeightTransferUpdateRequest(update_info={"version": version})
 
@@ -230,6 +233,21 @@ class WeightReceiver:
             raise LoadFailed(f"expected version {version}, the trainer pushed {int(stats['version'])}")
         self.pauses_ms.append(pause)
         await self._ack(version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
+
+    async def _wait_staged(self, llm: Any) -> None:
+        """Wait until the worker has received and staged the push, so that none of it happens inside the pause.
+
+        Asks ``weightsync_ready`` (non-blocking) with a backoff from 2 to 50 ms: a blocking wait inside the worker
+        would stall the engine's loop, and the engine offers no completion channel. Bounded by ``2 * timeout_s``;
+        past that (or on a failed receive) ``update_weights`` reports the failure under its own bound."""
+        deadline = time.monotonic() + self.cfg.timeout_s * 2
+        delay = 0.002
+        while time.monotonic() < deadline:
+            state = (await self._rpc(llm.collective_rpc("weightsync_ready"), "weightsync_ready"))[0]
+            if state["done"] or not state["pending"]:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     async def _begin_update(self, llm: Any) -> None:
         """``start_weight_update``; if an earlier update was left open (its RPC timed out here while the worker

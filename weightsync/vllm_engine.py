@@ -1,23 +1,29 @@
-"""The gloo weight-transfer engine that runs inside vLLM's worker process (CPU; any host without NCCL).
+"""The pair-group weight-transfer engine that runs inside vLLM's worker process (gloo on CPU, NCCL on GPU).
 
 It implements vLLM's ``WeightTransferEngine`` protocol and is registered as backend ``"gloo"`` through
 ``WeightTransferEngineFactory.register_engine`` when this module is imported, which the worker extension
-(``weightsync/worker.py``, named by ``vllm_args``) makes happen in the worker before the model loads.
+(``weightsync/worker.py``, named by ``vllm_args``) makes happen in the worker before the model loads. The name is
+historical: each pair's process-group backend comes with ``init_weight_transfer_engine`` (``"backend"``: ``gloo``
+receives into host buffers, ``nccl`` straight into buffers on the worker's GPU, ``weightsync/collective.py``).
 
 Protocol, driven by the generator's ``WeightReceiver`` through ``AsyncLLM``:
 
-* ``init_weight_transfer_engine({"address", "session", "timeout_s", "host"})``: starts joining the pair group
+* ``init_weight_transfer_engine({"address", "session", "timeout_s", "host", "backend", "staged"})``: starts
+  joining the pair group
   ``session`` at the trainer's store ``address`` on the engine's transport thread and returns at once, so the
   engine keeps generating while the rendezvous happens.
 * ``weightsync_prefetch(version)`` (worker extension, via ``collective_rpc``): starts receiving the next push
-  (header, then buckets) into host buffers on the transport thread. Generation continues meanwhile.
-* ``start_weight_update()``: nothing (the model is only touched once the whole push is in host memory, so a
+  (header, then buckets) on the transport thread and then *stages* it (``weightsync/staging.py``: vLLM's layerwise
+  reload into a private shadow copy of the model, which builds the kernel format, e.g. CPU prepacked GEMMs).
+  Generation continues meanwhile; ``weightsync_ready()`` says when the push is received and staged.
+* ``start_weight_update()``: nothing (the model is only touched once the whole push is in memory, so a
   transfer that dies half-way leaves the old weights intact; and the call may come before the engine pauses).
-* ``update_weights({"version": v})``: waits (bounded) for the prefetched push, or receives it inline; then
-  ``initialize_layerwise_reload``, ``model.load_weights`` with the push's Hugging Face names, and
-  ``finalize_layerwise_reload`` (vLLM's post-load processing, e.g. the CPU GEMM re-dispatch) in this one call: a
-  push is always the whole model, so the model is consistent when it returns and the swap's pause covers exactly
-  this call.
+* ``update_weights({"version": v})``: waits (bounded) for the prefetched push, or receives it inline; then, if it
+  was staged, *commits* it (copies the shadow's tensors into the live model's storage and installs the processed
+  GEMM closures: about a millisecond on the tiny model), else runs the layerwise reload on the live model
+  (``initialize_layerwise_reload``, ``model.load_weights`` with the push's Hugging Face names,
+  ``finalize_layerwise_reload``). Either way the model is consistent when it returns, and the swap's pause covers
+  exactly this call.
 * ``finish_weight_update()``: finalizes only if an update was left open (never, in normal operation).
 
 A failed or timed-out receive drops the pair group (the generator re-joins) and raises ``TransferFailed``.
@@ -35,7 +41,8 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from weightsync.collective import TransferFailed, _bcast, generator_pair, recv_push
+from weightsync.collective import TransferFailed, _bcast, device_of, generator_pair, recv_push
+from weightsync.staging import ShadowModel
 from weightsync.wire import Snapshot
 
 log = logging.getLogger("streamforge.weightsync.vllm_engine")
@@ -49,6 +56,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     session: str  # pair-group name both sides agreed on (from the join)
     timeout_s: float = 30.0
     host: str = ""  # local address for gloo's sockets ("" = derived from the store address)
+    staged: bool = True  # stage each push in a shadow model before the pause (see weightsync/staging.py)
+    backend: str = "gloo"  # the pair group's backend: "gloo" (host buffers) or "nccl" (this worker's GPU)
 
 
 @dataclass
@@ -75,6 +84,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.last_load_s = 0.0
         self.last_init_s = 0.0
         self.last_finalize_s = 0.0
+        self.last_stage_s = 0.0
+        self.last_commit_s = 0.0
+        self._shadow: ShadowModel | None = None
 
     # -- transport (on the io thread) --------------------------------------------------------
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -85,7 +97,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-io")
         self._info = init_info
         self._pg = self._io.submit(generator_pair, init_info.address, init_info.session,
-                                   timeout_s=init_info.timeout_s, host=init_info.host)
+                                   timeout_s=init_info.timeout_s, host=init_info.host, backend=init_info.backend)
 
     def _group(self):
         if self._pg is None or self._info is None:
@@ -94,14 +106,53 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def _receive(self) -> Snapshot:
         t0 = time.perf_counter()
-        snap = recv_push(self._group(), peer=f"trainer@{self._info.address if self._info else '?'}")
+        snap = recv_push(self._group(), peer=f"trainer@{self._info.address if self._info else '?'}",
+                         device=self._buffer_device())
         self.last_receive_s = time.perf_counter() - t0
         return snap
 
+    def _receive_and_stage(self) -> tuple[Snapshot, bool]:
+        """Receive a push, then stage it in the shadow model (when enabled); returns it and whether it is staged.
+        A failed staging is logged and leaves the push to the in-pause reload."""
+        snap = self._receive()
+        if not (self._info is not None and self._info.staged):
+            return snap, False
+        try:
+            if snap.buffers and snap.buffers[0].is_cuda:  # staging reads the buckets on this thread's stream
+                torch.cuda.current_stream(snap.buffers[0].device).synchronize()
+            if self._shadow is None:
+                self._shadow = ShadowModel(self.model, self.model_config)
+                log.info("shadow model for staged loads ready in %.1f ms", self._shadow.last_copy_s * 1000)
+            self._shadow.stage(snap.tensors())
+            if snap.buffers and snap.buffers[0].is_cuda:  # "ready" means the shadow is written
+                torch.cuda.current_stream(snap.buffers[0].device).synchronize()
+        except Exception as exc:  # noqa: BLE001 - staging is an optimisation; the in-pause reload still works
+            log.warning("staging version %d failed (%s: %s); loading it inside the pause", snap.version,
+                        type(exc).__name__, exc)
+            self._shadow = None
+            return snap, False
+        self.last_stage_s = self._shadow.last_stage_s
+        return snap, True
+
+    def _buffer_device(self) -> torch.device:
+        """Where received buckets land: host memory for gloo, this worker's GPU for nccl."""
+        backend = self._info.backend if self._info else "gloo"
+        return device_of(backend, self.device if backend == "nccl" else None)
+
     def prefetch(self, version: int) -> None:
-        """Start receiving the next push in the background; ``update_weights`` picks it up."""
+        """Start receiving (and staging) the next push in the background; ``update_weights`` picks it up."""
         if self._pending is None:
-            self._pending = self._io.submit(self._receive)
+            self._pending = self._io.submit(self._receive_and_stage)
+
+    def ready(self) -> dict[str, Any]:
+        """Whether the prefetched push is received and staged (non-blocking; the generator asks before pausing)."""
+        pending = self._pending
+        if pending is None:
+            return {"pending": False, "done": False, "error": ""}
+        if not pending.done():
+            return {"pending": True, "done": False, "error": ""}
+        exc = pending.exception()
+        return {"pending": True, "done": True, "error": f"{type(exc).__name__}: {exc}" if exc else ""}
 
     def raw_prefetch(self, sizes: list[int]) -> Future:
         """Receive plain buffers of ``sizes`` bytes on the transport thread, loading nothing (benchmark baseline:
@@ -109,9 +160,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
         def recv() -> float:
             group = self._group()
+            device = self._buffer_device()
             t0 = time.perf_counter()
             for n in sizes:
-                _bcast(group, torch.empty(int(n), dtype=torch.uint8), "trainer")
+                _bcast(group, torch.empty(int(n), dtype=torch.uint8, device=device), "trainer")
             return time.perf_counter() - t0
 
         return self._io.submit(recv)
@@ -127,7 +179,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         pending, self._pending = self._pending, None
         timeout = (self._info.timeout_s if self._info else 30.0) * 2
         try:
-            snap = pending.result(timeout=timeout) if pending is not None else self._receive()
+            snap, staged = pending.result(timeout=timeout) if pending is not None else (self._receive(), False)
         except Exception as exc:
             self.shutdown_pair()
             if isinstance(exc, TransferFailed):
@@ -136,8 +188,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if update_info.version >= 0 and snap.version != update_info.version:
             log.warning("expected weights of version %d, received %d; loading what arrived",
                         update_info.version, snap.version)
+        self.last_version = snap.version
+        self.last_bytes = snap.nbytes
+        if staged and self._shadow is not None and self.model is self._shadow.source:
+            self._shadow.commit()
+            self.last_commit_s = self._shadow.last_commit_s
+            self.last_init_s = self.last_load_s = self.last_finalize_s = 0.0
+            return
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.last_stage_s = self.last_commit_s = 0.0
         t0 = time.perf_counter()
         initialize_layerwise_reload(self.model)
         self._loading = True
@@ -148,8 +208,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.last_init_s = t1 - t0
         self.last_load_s = t2 - t1
         self.last_finalize_s = time.perf_counter() - t2
-        self.last_version = snap.version
-        self.last_bytes = snap.nbytes
 
     def _finalize(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -164,7 +222,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def stats(self) -> dict[str, float]:
         return {"version": self.last_version, "bytes": self.last_bytes, "receive_s": self.last_receive_s,
                 "load_s": self.last_load_s, "init_s": self.last_init_s,
-                "finalize_s": self.last_finalize_s, "connected": float(self.connected())}
+                "finalize_s": self.last_finalize_s, "stage_s": self.last_stage_s, "commit_s": self.last_commit_s,
+                "connected": float(self.connected())}
 
     def shutdown_pair(self) -> None:
         """Forget the pair group (the trainer side is dropped with it); a later init re-joins."""

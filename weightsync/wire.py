@@ -164,9 +164,11 @@ def view(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
 
 
 def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, step: int,
-         bucket_bytes: int) -> Snapshot:
-    """Copy ``(hf_name, tensor)`` pairs into fresh buckets (full tensors; DTensors are gathered with
-    ``full_tensor()``). The result is independent of the source tensors."""
+         bucket_bytes: int, device: torch.device | str = "cpu") -> Snapshot:
+    """Copy ``(hf_name, tensor)`` pairs into fresh buckets on ``device`` (CPU for gloo and file pushes, the
+    trainer's GPU for nccl; full tensors: DTensors are gathered with ``full_tensor()``). The result is independent
+    of the source tensors; on CUDA the copies are complete when this returns (the caller's stream is synchronised),
+    so a sender thread on another stream reads finished buckets."""
     pairs = []
     for name, t in named_tensors:
         full = getattr(t, "full_tensor", None)
@@ -174,7 +176,10 @@ def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, ste
         pairs.append((name, t.detach()))
     layout = plan(((n, t.dtype, tuple(t.shape)) for n, t in pairs), version=version, step=step,
                   bucket_bytes=bucket_bytes)
-    buffers = [torch.empty(n, dtype=torch.uint8) for n in layout.buckets]
+    device = torch.device(device)
+    buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.buckets]
     for (name, t), slot in zip(pairs, layout.params, strict=True):
-        view(buffers[slot.bucket], slot).copy_(t.to("cpu", copy=False))
+        view(buffers[slot.bucket], slot).copy_(t)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
     return Snapshot(layout=layout, buffers=buffers)

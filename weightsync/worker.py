@@ -3,7 +3,9 @@
 Importing this module registers the gloo weight-transfer engine with vLLM's factory. Its methods are callable
 from the generator through ``AsyncLLM.collective_rpc(name, ...)``:
 
-* ``weightsync_prefetch(version)``: start receiving the next push into host memory (returns at once);
+* ``weightsync_prefetch(version)``: start receiving the next push and staging it (returns at once);
+* ``weightsync_ready()``: whether that push is received and staged (non-blocking: the generator asks before it
+  pauses the engine, so the pause holds only the commit);
 * ``weightsync_stats()``: the last loaded version, its size, receive and load times;
 * ``weightsync_raw_prefetch(sizes)`` / ``weightsync_raw_wait()``: receive plain buffers of the given sizes over
   the same pair group on the same thread as a push, loading nothing (the benchmark's raw-broadcast baseline).
@@ -29,6 +31,9 @@ class WeightSyncWorkerExtension:
 
     def weightsync_prefetch(self, version: int) -> None:
         self._weightsync_engine().prefetch(version)
+
+    def weightsync_ready(self) -> dict[str, Any]:
+        return self._weightsync_engine().ready()
 
     def weightsync_stats(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)

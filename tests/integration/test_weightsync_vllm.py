@@ -1,9 +1,11 @@
 """Weight sync into a real vLLM CPU engine over real brokers and a real gloo pair group.
 
 One engine for the whole test (start-up dominates): the trainer-side torchtitan model is perturbed and pushed over
-gloo while requests are being generated in "keep" mode; the requests complete, their tokens carry the version that
-produced them, and afterwards the engine's logprobs equal the trainer model's (fp32, 1e-4). Then the same weights
-go again through the file transport: the engine's logprobs do not move.
+gloo while requests are being generated in "keep" mode; the push is staged in the worker's shadow model while they
+run, so tokens generated then must still match the old weights; the requests complete, their tokens carry the
+version that produced them, and afterwards the engine's logprobs equal the trainer model's (fp32, 1e-4). Then the
+same weights go again through the file transport: the engine's logprobs do not move. Last, a third version goes over
+gloo after that reload of the live model: staged and committed, it matches the trainer again.
 """
 
 from __future__ import annotations
@@ -141,6 +143,21 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         for j, ids in enumerate(PROMPTS):
             lp = await _engine_prompt_logprobs(engine, ids, f"f{j}")
             assert (lp - gloo_lps[j]).abs().max().item() <= 1e-6
+
+        # a gloo push again, after the file reload touched the live model: it is staged in the shadow model made
+        # for version 1 and committed; the engine is the trainer's model again
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        async with WeightPublisher(gloo, nc=nc_t, names=names, run_dir=run_config.run_dir) as pub3:
+            await pub3.publish(version=3, step=3, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b3"])
+            await _wait_version(engine, 3)
+        for j, ids in enumerate(PROMPTS):
+            lp = await _engine_prompt_logprobs(engine, ids, f"h{j}")
+            assert (lp - _trainer_logprobs(policy.model, ids)).abs().max().item() < 1e-4
+        stats = (await engine.llm.collective_rpc("weightsync_stats"))[0]
+        assert stats["version"] == 3 and stats["stage_s"] > 0 and stats["load_s"] == 0  # staged, not reloaded
+        assert receiver.counters["load_failures"] == 0
         await receiver.stop()
     finally:
         if follow is not None:
