@@ -13,7 +13,7 @@ import asyncio
 import logging
 import os
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import nats
@@ -24,10 +24,13 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from topics import codec
 from topics.config import NatsConfig
-from topics.errors import BrokerUnavailable, StaleWriter, TimeoutExpired
+from topics.errors import BrokerUnavailable, CodecError, StaleWriter, TimeoutExpired
 from topics.names import Names
 from topics.schemas import PolicyVersion
 from topics.tracing import context_from_nats, nats_headers
+
+# ``on_bad(source, raw value, error)``: what a reader does with a NATS message or KV value it cannot decode
+OnBadMessage = Callable[[str, bytes, CodecError], Awaitable[None]]
 
 log = logging.getLogger("streamforge.nats")
 
@@ -169,10 +172,16 @@ class PolicyStore:
         except KeyNotFoundError:
             return None
 
-    async def watch(self) -> AsyncIterator[PolicyVersion]:
+    @property
+    def latest_source(self) -> str:
+        """How a value of the latest-version key is named as a dead letter's ``source``."""
+        return f"kv:{self.names.policy_bucket}/{self.names.LATEST_KEY}"
+
+    async def watch(self, on_bad: OnBadMessage | None = None) -> AsyncIterator[PolicyVersion]:
         """Yield the current version (if any), then every newer one as it is written. Runs until cancelled.
 
-        A value that fails to decode is logged and skipped (it cannot be acted on).
+        A value that fails to decode is logged and skipped (it cannot be acted on); ``on_bad(source, value, error)``
+        (e.g. a role's dead-letter writer) is awaited for it first, with ``latest_source`` as the source.
         """
         watcher = await self.kv.watch(self.names.LATEST_KEY)
         try:
@@ -180,9 +189,13 @@ class PolicyStore:
                 if entry is None or entry.value is None or entry.operation is not None:
                     continue  # the "initial values done" marker, or a delete/purge
                 try:
-                    yield codec.decode(entry.value, expect=PolicyVersion)
-                except Exception as exc:
+                    pv = codec.decode(entry.value, expect=PolicyVersion)
+                except CodecError as exc:
                     log.error("policy store: undecodable value at revision %s: %s", entry.revision, exc)
+                    if on_bad is not None:
+                        await on_bad(self.latest_source, bytes(entry.value), exc)
+                    continue
+                yield pv
         finally:
             try:
                 await watcher.stop()
