@@ -44,18 +44,20 @@ def raw_bytes(ep: Episode) -> int:
     return tensors + len(ep.prompt_text.encode()) + len(ep.response_text.encode())
 
 
-def rate(fn, min_time: float = 0.4) -> float:
-    """Calls per second of ``fn`` (best of 3 repeats of at least ``min_time`` each)."""
-    best = 0.0
-    for _ in range(3):
-        n, t0 = 0, time.perf_counter()
-        while True:
-            fn()
-            n += 1
-            dt = time.perf_counter() - t0
-            if dt >= min_time:
-                break
-        best = max(best, n / dt)
+def rates(fns: dict[str, object], rounds: int = 6, min_time: float = 0.2) -> dict[str, float]:
+    """Calls per second of each function: the best of ``rounds`` runs of at least ``min_time`` each. The functions
+    take turns round by round, so a change in the machine's load hits them alike."""
+    best = dict.fromkeys(fns, 0.0)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n, t0 = 0, time.perf_counter()
+            while True:
+                fn()
+                n += 1
+                dt = time.perf_counter() - t0
+                if dt >= min_time:
+                    break
+            best[name] = max(best[name], n / dt)
     return best
 
 
@@ -83,7 +85,8 @@ def main() -> None:
             buf.seek(0)
             torch.load(buf, weights_only=True)
 
-        r_ours, r_pickle, r_torch = rate(ours), rate(pkl), rate(tsave)
+        measured = rates({"ours": ours, "pickle": pkl, "torch": tsave})
+        r_ours, r_pickle, r_torch = measured["ours"], measured["pickle"], measured["torch"]
         wire = len(codec.encode(ep))
         rows[n] = {"codec_msgs_per_s": round(r_ours), "pickle_msgs_per_s": round(r_pickle),
                    "torch_save_msgs_per_s": round(r_torch), "vs_pickle": r_ours / r_pickle,
