@@ -307,18 +307,7 @@ def build_batch(
         prompt_lens[i] = p
     advantages = np.concatenate([g.advantages for g in groups]).astype(np.float32)
     rewards = np.array([e.reward for e in episodes], dtype=np.float32)
-    resp = loss_mask.sum(axis=1)
-    versions = token_versions[loss_mask.astype(bool)]
-    stats = {
-        "groups": float(len(groups)),
-        "episodes": float(b),
-        "reward_mean": float(rewards.mean()),
-        "reward_std": float(rewards.std()),
-        "response_len_mean": float(resp.mean()),
-        "padding_fraction": float(1.0 - sum(lengths) / (b * t)),
-        "min_version": float(versions.min()) if versions.size else -1.0,
-        "max_version": float(versions.max()) if versions.size else -1.0,
-    }
+    stats = _stats(groups, episodes, rewards, rows=b, width=t)
     ids = [e.episode_id for e in episodes]
     kwargs = {} if created_at is None else {"created_at": created_at}
     return Batch(
@@ -338,6 +327,27 @@ def build_batch(
         stats=stats,
         **kwargs,
     )
+
+
+def _stats(groups: Sequence[ScoredGroup], episodes: list[Episode], rewards: np.ndarray, *, rows: int,
+           width: int) -> dict[str, float]:
+    """A batch's summary (plain Python over the episodes: numpy's per-call cost dominated it on [B, T] arrays)."""
+    b = len(episodes)
+    r = rewards.tolist()
+    mean = math.fsum(r) / b
+    resp = [len(e.response_tokens) for e in episodes]
+    versions = np.concatenate([e.token_versions for e in episodes])
+    tokens = sum(len(e.prompt_tokens) for e in episodes) + sum(resp)
+    return {
+        "groups": float(len(groups)),
+        "episodes": float(b),
+        "reward_mean": mean,
+        "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in r) / b),
+        "response_len_mean": sum(resp) / b,
+        "padding_fraction": 1.0 - tokens / (rows * width),
+        "min_version": float(versions.min()) if versions.size else -1.0,
+        "max_version": float(versions.max()) if versions.size else -1.0,
+    }
 
 
 def _packed(groups: Sequence[ScoredGroup], episodes: list[Episode], row_tokens: int, *, pad_token_id: int,
@@ -383,21 +393,7 @@ def _packed(groups: Sequence[ScoredGroup], episodes: list[Episode], row_tokens: 
             pos_parts.append(np.zeros(t - used, dtype=np.int32))
     n_rows = len(rows)
     rewards = np.asarray([e.reward for e in episodes], dtype=np.float32)
-    r = rewards.tolist()
-    b = len(episodes)
-    mean = math.fsum(r) / b
-    versions = np.concatenate([e.token_versions for e in episodes])
-    stats = {
-        "groups": float(len(groups)),
-        "episodes": float(b),
-        "rows": float(n_rows),
-        "reward_mean": mean,
-        "reward_std": math.sqrt(math.fsum((x - mean) ** 2 for x in r) / b),
-        "response_len_mean": sum(rlens) / b,
-        "padding_fraction": float(1.0 - sum(lengths) / (n_rows * t)),
-        "min_version": float(versions.min()) if versions.size else -1.0,
-        "max_version": float(versions.max()) if versions.size else -1.0,
-    }
+    stats = {**_stats(groups, episodes, rewards, rows=n_rows, width=t), "rows": float(n_rows)}
     ids = [e.episode_id for e in episodes]
     kwargs = {} if created_at is None else {"created_at": created_at}
     return Batch(
