@@ -7,9 +7,10 @@
   user loss that declares ``aggregation``, for a user loss that declares nothing (each rank then trains the whole
   batch) and for SFT; a 1-row batch (one rank holds a masked-out padding row) too. The reported metrics (loss,
   tokens, kl, entropy, clip fraction, grad norm...) are the global ones.
-* tp2 (2 ranks, ``trainer.tp = 2``): logprobs equal the 1-process ones; one AdamW step gives the 1-process
-  weights, gathered to full HF tensors (``named_tensors`` and the HF export); a checkpoint written under TP
-  resumes (weights, optimizer state: the next step equals the uninterrupted run's).
+* tp2 (2 ranks, ``trainer.tp = 2``): logprobs and gradients equal the 1-process ones; one AdamW step gives the
+  1-process weights, gathered to full HF tensors (``named_tensors`` and the HF export); a checkpoint written under
+  TP resumes (weights, optimizer state: the next step equals the uninterrupted run's). Also the gradient of a tied
+  Qwen 3 (q/k norms on sharded heads, one vocab-sharded tied embedding).
 * dp2 x tp2 (4 ranks): the gradient and one step of grpo on the uneven batch equal the 1-process ones.
 
 Measured on CPU over gloo (torch 2.13, torchtitan 0.3): the TP subset in ``consumers/parallel.apply_tp`` (no
@@ -86,6 +87,7 @@ CASES = [
     ("user_plain", "rl", "test_user_plain", {}, "uneven"),
     ("sft", "sft", "grpo", {}, "uneven"),
 ]
+QWEN_CASES = [("grpo", "rl", "grpo", {}, "uneven")]
 COMPARED = ("loss", "policy_loss", "tokens", "kl", "entropy", "clip_fraction", "ratio_mean", "grad_norm", "nll",
             "off_policy_masked", "ratio_masked", "behav_weight_mean", "ratio", "logprob_drift")
 
@@ -221,7 +223,7 @@ WORKER = textwrap.dedent("""
     from topics import codec
     from topics.schemas import Batch
     import test_parallel_ranks as T
-    out, hf, world, scenario = Path({out!r}), Path({hf!r}), {world!r}, {scenario!r}
+    out, hf, world, scenario, qwen = Path({out!r}), Path({hf!r}), {world!r}, {scenario!r}, {qwen!r}
     d = init_distributed(timeout_s=180)
     assert d.world_size == world
     batches = {{k: codec.decode((out / f"{{k}}.batch").read_bytes(), expect=Batch) for k in ("uneven", "one", "packed")}}
@@ -239,6 +241,10 @@ WORKER = textwrap.dedent("""
     if scenario in ("tp", "dptp"):
         res = T.run_tp_steps(hf, out / "run_tp", d, batches["uneven"], tp=2, world=world)
         save("logprobs", {{"lp": res["logprobs"]}})
+        if qwen:
+            grads, _ = T.run_grad_cases(Path(qwen), out / "run_qwen", d, batches, tp=2, world=world,
+                                        cases=T.QWEN_CASES)["grpo"]
+            save("qwen_grads", grads)
         for key in ("grads", "step1", "step2", "restored", "resumed2"):
             save(key, res[key])
         if d.rank == 0:
@@ -263,7 +269,8 @@ def batches(tiny_dir: Path) -> dict[str, Batch]:
     return {"uneven": uneven, "one": make_batch(tiny_dir, 1, seed=1), "packed": packed}
 
 
-def launch(tiny_dir: Path, out: Path, batches: dict[str, Batch], *, world: int, scenario: str) -> None:
+def launch(tiny_dir: Path, out: Path, batches: dict[str, Batch], *, world: int, scenario: str,
+           qwen: Path | None = None) -> None:
     from topics import codec
 
     out.mkdir(parents=True, exist_ok=True)
@@ -271,7 +278,7 @@ def launch(tiny_dir: Path, out: Path, batches: dict[str, Batch], *, world: int, 
         (out / f"{k}.batch").write_bytes(codec.encode(b))
     script = out / "worker.py"
     script.write_text(WORKER.format(root=str(ROOT), here=str(HERE), out=str(out), hf=str(tiny_dir), world=world,
-                                    scenario=scenario))
+                                    scenario=scenario, qwen=str(qwen) if qwen else ""))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={world}", str(script)],
@@ -353,11 +360,31 @@ def assert_tp_matches_single(out: Path, tiny_dir: Path, tmp_path: Path, batches)
     assert all(torch.equal(resumed2[k], step2[k]) for k in step2)
 
 
+def tied_qwen3_dir(out: Path) -> Path:
+    """A tiny Qwen 3 (q/k norms, tied embeddings) in HF format."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, intermediate_size=96, vocab_size=64, max_position_embeddings=128,
+                         tie_word_embeddings=True)
+    Qwen3ForCausalLM(config).save_pretrained(out)
+    return out
+
+
 @pytest.mark.timeout(600)
 def test_tp2_logprobs_step_export_and_resume_equal_single_process(tiny_dir: Path, tmp_path: Path, batches):
     out = tmp_path / "tp2"
-    launch(tiny_dir, out, batches, world=2, scenario="tp")
+    qwen = tied_qwen3_dir(tmp_path / "qwen3")
+    launch(tiny_dir, out, batches, world=2, scenario="tp", qwen=qwen)
     assert_tp_matches_single(out, tiny_dir, tmp_path, batches)
+    # Qwen 3: the q/k norms see head-sharded activations, the tied embedding is one vocab-sharded parameter
+    from safetensors.torch import load_file
+
+    from consumers.parallel import Dist
+
+    ref, _ = run_grad_cases(qwen, tmp_path / "single_qwen", Dist(), batches, tp=1, world=1, cases=QWEN_CASES)["grpo"]
+    assert_same_grads(load_file(str(out / "qwen_grads.safetensors")), ref, "qwen3 tied")
 
 
 @pytest.mark.timeout(600)
