@@ -395,7 +395,8 @@ def _canonical_fields(data: bytes) -> tuple[_Plan, dict[str, Any]] | None:
             count, p = (data[1] << 8) | data[2], 3
         else:
             return None
-        # "schema" (7 bytes), the name as a fixstr (1 + L bytes), "v" (2 bytes) and the version as a fixint.
+        # "schema" (7 bytes), the name as a fixstr (1 + L bytes), "v" (2 bytes) and the version as a fixint (a
+        # schema named in 32 characters or more, or at version 128 or more, always takes the generic path).
         plan = _HEADS.get(data[p:p + 11 + (data[p + 7] & 0x1F)])
         if plan is None or count != plan.count:
             return None  # another layout, another schema, or extra keys (which the generic path ignores)
