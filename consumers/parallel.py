@@ -138,9 +138,12 @@ def apply_tp(model: nn.Module, tp_mesh: Any) -> nn.Module:
     * per block: ``wq``/``wk``/``wv`` and ``w1``/``w3`` column-wise, ``wo``/``w2`` row-wise (one all-reduce
       after attention and one after the MLP); attention runs on the local heads (torchtitan views heads with
       ``-1``), so ``n_heads`` and ``n_kv_heads`` must be divisible by the TP degree;
-    * norms (and Qwen 3's q/k norms) hold replicated DTensor weights, fed replicated activations: without
-      sequence parallel they compute the same thing on every TP rank, which keeps every parameter a DTensor on
-      one mesh (FSDP2 on ``dp`` then makes them 2-D, and one ``clip_grad_norm_`` covers them all).
+    * norms hold replicated DTensor weights fed the replicated residual stream (without sequence parallel they
+      compute the same thing on every TP rank); Qwen 3's q/k norms are fed head-sharded activations, so their
+      weight gradient is a partial sum DTensor reduces over ``tp``. Every parameter is then a DTensor on one mesh
+      (FSDP2 on ``dp`` makes them 2-D, and one ``clip_grad_norm_`` covers them all);
+    * tied embeddings (``tie_word_embeddings``): torchtitan's ``init_states`` re-ties ``tok_embeddings.weight`` to
+      the vocab-sharded ``lm_head.weight``, the same ``Shard(0)`` layout.
 
     Measured on CPU over gloo (torch 2.13): this subset runs forward, backward and AdamW; sequence parallel and
     loss parallel are not used (see the module docstring of ``tests/integration/test_parallel_ranks.py``).
