@@ -11,7 +11,8 @@ Format (documented so any msgpack reader can decode it):
 order (dims as uint32, ``data`` as bin32), then the plain fields. It assembles the bytes itself, so tensor bytes
 are copied once, straight into the message. ``decode`` reads the canonical layout with a small parser: tensors
 become read-only ``np.frombuffer`` views of the message bytes (zero copy; a decoded message keeps the bytes it came
-from alive), and one ``msgpack.unpackb`` reads the plain fields. Any other valid msgpack layout of the same map
+from alive, and a view need not be aligned to its dtype, which numpy and torch handle; ``np.array(view)`` copies),
+and one ``msgpack.unpackb`` reads the plain fields. Any other valid msgpack layout of the same map
 (keys in another order, other int or bin widths, extra keys) decodes through the generic path, ``msgpack.unpackb``
 plus ``from_wire``, with exactly the same checks. A ``bytearray`` or ``memoryview`` input is copied to ``bytes``
 first, so a caller may reuse its buffer after ``decode`` returns.
