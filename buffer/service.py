@@ -236,7 +236,8 @@ class BufferRole(Service):
     async def _dead_letter_value(self, source: str, value: bytes, exc: Exception) -> None:
         """A NATS value this buffer cannot read (the KV's latest version): dead-lettered with its reason."""
         assert self.dead is not None
-        await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc))
+        await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
+                                   wait=False)
         self.counters["bad_nats_values"] = self.counters.get("bad_nats_values", 0) + 1
 
     async def _fence_loop(self) -> None:

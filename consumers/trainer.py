@@ -136,9 +136,10 @@ class TrainerRole(Service):
         from consumers.source import RecordSource
 
         rl = self.cfg.mode == "rl"
+        dead = DeadLetters(self.producer, self.names, "trainer")
         self.source = RecordSource(self.config.kafka, self.names.batches if rl else self.names.sft,
                                    group_id=self.names.trainers_group, expect=Batch if rl else SFTExample,
-                                   dead_letters=DeadLetters(self.producer, self.names, "trainer"))
+                                   dead_letters=dead)
         await self.source.start(offsets)
         if self.config.nats.url:
             from topics.nats import connect
@@ -147,6 +148,12 @@ class TrainerRole(Service):
             self.nc = await connect(self.config.nats, name="trainer")
             self.publisher = WeightPublisher(self.config.weightsync, nc=self.nc, names=self.names,
                                              run_dir=self.run_dir, trainer_id="trainer")
+
+            async def dead_letter(source: str, value: bytes, exc: Exception) -> None:
+                await dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
+                                      wait=False)  # NATS is at-most-once anyway: do not stall its callback
+
+            self.publisher.on_bad = dead_letter  # undecodable membership and ack messages
             await self.publisher.start()
             if self.publisher.latest_version > self.version:
                 log.info("policy versions continue after the store's %d", self.publisher.latest_version)

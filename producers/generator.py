@@ -8,6 +8,9 @@
   scores each with the configured rewards (``producers.rewards``), and produces the Episodes to the ``episodes``
   topic keyed by ``group_id``; an Episode whose reward raised or timed out goes to the dead-letter topic instead,
   with the reason, and the generator keeps going;
+* dead-letters a prompt record that does not decode (the codec's reason) or that no engine can take (reason
+  ``invalid``: empty, longer than ``model.max_seq_len`` with ``max_tokens``, token ids outside the vocabulary),
+  and keeps going;
 * commits a prompt's offset only after every Episode of it was acknowledged by the broker, and only the
   contiguous completed prefix per partition (``producers.flow.OffsetTracker``), so a generator killed mid-prompt
   leaves the prompt to another member of the group;
@@ -139,6 +142,9 @@ class GeneratorRole(Service):
         self.first_taken_at: float | None = None  # perf_counter() of the first prompt taken (benchmarks)
         self._last_report = (dict(self.stats), time.perf_counter())  # for the rates of the next metrics row
         self._reports = 0
+        self._dead_commit_at = 0.0  # monotonic time of the last commit after a dead-lettered prompt
+        self._dead_acks: list[asyncio.Future] = []  # dead letters sent, not yet awaited (before any commit)
+        self._vocab: int | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def _start(self) -> None:
@@ -228,7 +234,7 @@ class GeneratorRole(Service):
     async def _policy(self) -> None:
         """Consumes ``PolicyStore.watch()``; records the latest version for backpressure and wakes intake."""
         assert self.store is not None
-        async for pv in self.store.watch():
+        async for pv in self.store.watch(on_bad=self._dead_letter_value):
             self.backpressure.published(pv.version)
             self._wake.set()
         raise StreamforgeError("the policy store watch ended", retriable=True)
@@ -255,6 +261,13 @@ class GeneratorRole(Service):
         self._reports += 1
         flush_metrics(self._reports)
         self._last_report = (dict(self.stats), now)
+
+    async def _dead_letter_value(self, source: str, value: bytes, exc: Exception) -> None:
+        """A NATS value this generator cannot read (the KV's latest version): dead-lettered with its reason."""
+        assert self.dead is not None
+        await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
+                                   wait=False)
+        self.stats["dead_lettered"] += 1
 
     def _may_take(self) -> int:
         """How many prompts intake may take now (0: wait)."""
@@ -357,15 +370,48 @@ class GeneratorRole(Service):
             await self._wake.wait()
 
     async def _take(self, rec: Received) -> None:
+        """Spawn the prompt's task, or dead-letter the record: undecodable, or a prompt no engine can take."""
         self.offsets.take(rec.tp, rec.offset)
-        if rec.error is not None or rec.value is None:
+        detail = "" if rec.error is not None or rec.value is None else self._unusable(rec.value)
+        if rec.error is not None or rec.value is None or detail:
             assert self.dead is not None
-            await self.dead.send(rec)
+            # pipelined: a flood of bad records is not one broker round trip each; _commit awaits the acks first
+            self._dead_acks.append(await self.dead.send(rec, reason="invalid" if detail else "", detail=detail,
+                                                        wait=False))
             self.stats["dead_lettered"] += 1
             self.offsets.done(rec.tp, rec.offset)
-            await self._commit()
+            if time.monotonic() - self._dead_commit_at >= 0.5:  # ... and commits at most twice a second
+                self._dead_commit_at = time.monotonic()
+                await self._commit()
             return
         self._spawn(rec.value, rec, rec.context)
+
+    def _unusable(self, prompt: Prompt) -> str:
+        """Why the engine cannot take this (decodable) prompt, or "" when it can."""
+        if not prompt.text and not len(prompt.token_ids):
+            return f"prompt {prompt.prompt_id!r} is empty"
+        try:
+            tokens = self._prompt_tokens(prompt)
+        except Exception as exc:  # noqa: BLE001 - hostile text the tokenizer rejects
+            return f"prompt {prompt.prompt_id!r} does not tokenize: {type(exc).__name__}: {exc}"
+        if not tokens:
+            return f"prompt {prompt.prompt_id!r} is empty"
+        limit = self.engine.max_model_len if self.engine is not None else self.config.model.max_seq_len
+        if len(tokens) + self.cfg.max_tokens > limit:
+            return (f"prompt {prompt.prompt_id!r}: {len(tokens)} tokens + max_tokens {self.cfg.max_tokens} exceed "
+                    f"max_model_len {limit}")
+        vocab = self._vocab_size()
+        if vocab and (min(tokens) < 0 or max(tokens) >= vocab):
+            return f"prompt {prompt.prompt_id!r}: token ids outside the vocabulary [0, {vocab})"
+        return ""
+
+    def _vocab_size(self) -> int:
+        if self._vocab is None:
+            try:
+                self._vocab = int(self.engine.llm.model_config.get_vocab_size())
+            except Exception:  # noqa: BLE001 - an engine without a model config (tests' fakes): no check
+                self._vocab = 0
+        return self._vocab
 
     def _spawn(self, prompt: Prompt, rec: Received | None, ctx: Any) -> None:
         if self.first_taken_at is None:
@@ -450,7 +496,11 @@ class GeneratorRole(Service):
         if self.consumer is None:
             return
         async with self._commit_lock:
+            # both taken with no await between: every record in `offsets` had its dead letter (if any) in `acks`
+            acks, self._dead_acks = self._dead_acks, []
             offsets = self.offsets.committable()
+            if acks:  # a record is committed only once its dead letter is on the broker
+                await asyncio.gather(*acks)
             if not offsets:
                 return
             try:

@@ -328,18 +328,22 @@ class DeadLetters:
         self.role = role
         self.count = 0
 
-    async def send(self, received: Received, *, reason: str = "", detail: str = "") -> None:
+    async def send(self, received: Received, *, reason: str = "", detail: str = "",
+                   wait: bool = True) -> asyncio.Future | None:
+        """Dead-letter a consumed record. ``wait=False`` returns the acknowledgement's future instead of awaiting
+        it (pipelining a flood of bad records); the caller must await it before committing the record's offset."""
         err = received.error
-        await self._publish(DeadLetter(
+        return await self._publish(DeadLetter(
             source=received.topic, reason=reason or (err.reason if err else "unhandled"),
             detail=detail or (str(err) if err else ""), partition=received.partition, offset=received.offset,
             key=(received.key or "").encode(), value=received.raw, role=self.role,
-        ), key=received.topic)
+        ), key=received.topic, wait=wait)
 
     async def send_bytes(self, source: str, value: bytes, *, reason: str, detail: str = "",
-                         key: bytes = b"") -> None:
-        await self._publish(DeadLetter(source=source, reason=reason, detail=detail, value=value, key=key,
-                                       role=self.role), key=source)
+                         key: bytes = b"", wait: bool = True) -> asyncio.Future | None:
+        """Dead-letter raw bytes from anywhere (a NATS subject, a KV key); ``wait`` as in ``send``."""
+        return await self._publish(DeadLetter(source=source, reason=reason, detail=detail, value=value, key=key,
+                                              role=self.role), key=source, wait=wait)
 
     async def send_message(self, source: str, msg: Any, *, reason: str, detail: str = "") -> None:
         """Dead-letter a decoded message (e.g. an Episode whose reward failed), re-encoded as it was."""
@@ -349,14 +353,24 @@ class DeadLetters:
             value, detail = b"", f"{detail} (could not re-encode: {exc})"
         await self.send_bytes(source, value, reason=reason, detail=detail)
 
-    async def _publish(self, letter: DeadLetter, *, key: str) -> None:
+    async def _publish(self, letter: DeadLetter, *, key: str, wait: bool = True) -> asyncio.Future | None:
         limit = self.producer.cfg.max_message_bytes - 4096
         if len(letter.value) > limit:  # keep the head of an oversized payload; say so
             letter.detail = f"{letter.detail} [value truncated from {len(letter.value)} bytes]"
             letter.value = letter.value[:limit]
         log.warning("dead-letter from %s: %s %s", letter.source, letter.reason, letter.detail[:200])
-        await self.producer.send(self.topic, letter, key=key)
         self.count += 1
+        if not wait:
+            fut = await self.producer.enqueue(self.topic, letter, key=key)
+            fut.add_done_callback(_log_failed_letter)
+            return fut
+        await self.producer.send(self.topic, letter, key=key)
+        return None
+
+
+def _log_failed_letter(fut: asyncio.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:  # also marks the exception as retrieved
+        log.error("a dead letter was not delivered: %s", fut.exception())
 
 
 def now_ms() -> int:

@@ -42,9 +42,9 @@ import orjson
 import torch
 
 from topics import codec
-from topics.errors import ConfigError, StaleWriter, StreamforgeError
+from topics.errors import CodecError, ConfigError, StaleWriter, StreamforgeError
 from topics.names import Names
-from topics.nats import PolicyStore, publish_msg
+from topics.nats import OnBadMessage, PolicyStore, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
 from weightsync.collective import Rendezvous, device_of, nccl_usable, send_push, trainer_pair
 from weightsync.config import WeightSyncConfig
@@ -99,6 +99,8 @@ class WeightPublisher:
         self.registry = Registry(member_timeout_s=cfg.member_timeout_s)
         self.counters: Counter[str] = Counter()
         self.latest_version = -1
+        # what to do with a membership or ack message that does not decode (the trainer dead-letters it)
+        self.on_bad: OnBadMessage | None = None
         self._rev = 0
         self._latest: Snapshot | None = None
         self._latest_pv: PolicyVersion | None = None
@@ -322,9 +324,11 @@ class WeightPublisher:
     async def _on_membership(self, msg: Any) -> None:
         try:
             mem = codec.decode(msg.data, expect=Membership)
-        except Exception as exc:  # noqa: BLE001 - a bad message is counted, never fatal
+        except CodecError as exc:  # a bad message is counted and dead-lettered, never fatal
             log.warning("bad membership message: %s", exc)
             self.counters["bad_messages"] += 1
+            if self.on_bad is not None:
+                await self.on_bad(msg.subject, bytes(msg.data), exc)
             return
         log.debug("membership %s from %s (version %d)", mem.event, mem.generator_id, mem.version)
         async with self._lock:
@@ -370,9 +374,11 @@ class WeightPublisher:
     async def _on_ack(self, msg: Any) -> None:
         try:
             ack = codec.decode(msg.data, expect=VersionAck)
-        except Exception as exc:  # noqa: BLE001 - a bad message is counted, never fatal
+        except CodecError as exc:  # a bad message is counted and dead-lettered, never fatal
             log.warning("bad ack message: %s", exc)
             self.counters["bad_messages"] += 1
+            if self.on_bad is not None:
+                await self.on_bad(msg.subject, bytes(msg.data), exc)
             return
         unfenced = self.registry.on_ack(ack)
         if unfenced:

@@ -1,6 +1,8 @@
-"""Hostile input through running roles: 10,000 bad records on the ``episodes`` topic for the buffer and 10,000 on
-``batches`` for the trainer, interleaved with good ones. Every role keeps running, every bad record lands in the
-dead-letter topic with a reason, the good ones are processed, and the audit still reconciles.
+"""Hostile input through running roles, 10,000 bad messages per kind of input, interleaved with good ones: the
+``episodes`` topic (buffer), ``batches`` (trainer), ``prompts`` (generator on real vLLM, plus prompts that decode but
+no engine can take), the NATS KV latest-version key (buffer) and the membership and ack subjects (trainer). Every
+role keeps running, every bad message lands in the dead-letter topic with a reason, the good ones are processed, and
+the audit still reconciles.
 
 Kinds (mixed evenly): random bytes, truncated valid messages, byte-mutated valid messages (only those that no longer
 decode), wrong schema versions, oversized payloads (over the role's ``kafka.max_message_bytes``), wrong tensor
@@ -31,15 +33,17 @@ N = 10_000
 ROLE_MAX_BYTES = 64 * 1024
 
 
-def hostile(valid: object, n: int, seed: int, nan_field: str) -> list[bytes]:
+def hostile(valid: object, n: int, seed: int, nan_field: str, max_bytes: int = ROLE_MAX_BYTES) -> list[bytes]:
     rng = random.Random(seed)
     good = codec.encode(valid)
     obj = msgpack.unpackb(good, raw=False)
     tensors = [s.name for s in codec._SPECS[type(valid)] if s.kind == "tensor"]
     out: list[bytes] = []
     kinds = ["random", "truncated", "mutated", "version", "oversized", "tensor", "nan"]
+    attempts = 0
     while len(out) < n:
-        kind = kinds[len(out) % len(kinds)]
+        kind = kinds[attempts % len(kinds)]  # by attempt: a kind that never fails to decode cannot stall the loop
+        attempts += 1
         if kind == "random":
             data = rng.randbytes(rng.randrange(1, 300))
         elif kind == "truncated":
@@ -54,6 +58,8 @@ def hostile(valid: object, n: int, seed: int, nan_field: str) -> list[bytes]:
         elif kind == "oversized":
             data = msgpack.packb(dict(obj, padding=b"x" * (ROLE_MAX_BYTES + 10)), use_bin_type=True)
         elif kind == "tensor":
+            if not tensors:
+                continue  # a schema without tensor fields
             name = rng.choice(tensors)
             data = msgpack.packb(dict(obj, **{name: dict(obj[name], dtype="float64")}), use_bin_type=True)
         else:
@@ -61,7 +67,7 @@ def hostile(valid: object, n: int, seed: int, nan_field: str) -> list[bytes]:
                 nan_field: dict(obj[nan_field], data=np.full(len(obj[nan_field]["data"]) // 4, np.nan,
                                                                dtype="<f4").tobytes())}), use_bin_type=True)
         try:
-            codec.decode(data, max_bytes=ROLE_MAX_BYTES)
+            codec.decode(data, max_bytes=max_bytes)
         except CodecError:
             out.append(data)  # only records a reader must reject
     return out
@@ -163,3 +169,161 @@ async def test_trainer_survives_ten_thousand_bad_batches(run_config, tmp_path) -
     reasons = Counter(x.value.reason for x in letters)
     assert sum(reasons.values()) == N and all(x.value.source == cfg.names.batches for x in letters), reasons
     assert Batch  # the schema under test
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+async def test_generator_survives_ten_thousand_bad_prompts(run_config, tmp_path) -> None:
+    """10,000 undecodable prompt records plus prompts that decode but no engine can take (empty, longer than
+    max_model_len, token ids outside the vocabulary), around good ones, through a generator running real vLLM."""
+    from producers.engine import Engine
+    from producers.generator import GeneratorRole
+    from producers.sources import toy_prompts
+    from producers.tiny_model import build_tiny_model
+    from topics.schemas import Episode, Prompt
+
+    model = build_tiny_model(tmp_path / "tiny", seed=0)
+    cfg = with_section(run_config, "generator", group_size=2, max_tokens=2, generator_id="fuzz",
+                       max_policy_lag=1000)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model), max_seq_len=64))
+    role_cfg = with_section(cfg, "kafka", max_message_bytes=ROLE_MAX_BYTES)
+    good = [p for _, p in zip(range(4), toy_prompts("addmod10", seed=3))]
+    bad = hostile(good[0], N, seed=3, nan_field="reward")
+    rng = np.random.default_rng(3)
+    unusable = []
+    for i in range(100):
+        unusable.append(Prompt(prompt_id=f"empty-{i}", text="", task="addmod10"))
+        unusable.append(Prompt(prompt_id=f"long-{i}", text="1+2=" * 40, task="addmod10"))
+        unusable.append(Prompt(prompt_id=f"vocab-{i}", text="", task="addmod10",
+                               token_ids=rng.integers(64, 2**31 - 1, size=5, dtype=np.int32)))
+    async with Producer(cfg.kafka) as producer:
+        for p in good[:2]:
+            await producer.send(cfg.names.prompts, p, key=p.prompt_id)
+    await produce_raw(cfg, cfg.names.prompts, bad, "bad")
+    async with Producer(cfg.kafka) as producer:
+        for p in [*unusable, *good[2:]]:
+            await producer.send(cfg.names.prompts, p, key=p.prompt_id)
+
+    engine = Engine(str(model), max_model_len=64, seed=0)
+    await engine.start()
+    role = GeneratorRole(role_cfg, engine=engine)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    try:
+        letters = await wait_dead_letters(cfg, N + len(unusable), 600, task)
+        deadline = time.monotonic() + 120
+        while role.stats["episodes"] < 2 * len(good) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert role.stats["episodes"] == 2 * len(good) and not task.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        await engine.stop()
+    reasons = Counter(x.value.reason for x in letters)
+    assert len(letters) == N + len(unusable) and all(x.value.source == cfg.names.prompts for x in letters), reasons
+    assert set(reasons) <= {"malformed", "unknown_schema", "oversized", "invalid"}
+    assert reasons["oversized"] > 0 and reasons["unknown_schema"] > 0 and reasons["invalid"] >= len(unusable)
+    details = [x.value.detail for x in letters if x.value.reason == "invalid"]
+    assert any("is empty" in d for d in details) and any("max_model_len 64" in d for d in details)
+    assert any("outside the vocabulary" in d for d in details)
+    episodes = await read_topic(cfg.kafka, cfg.names.episodes, expect=Episode)
+    assert sorted({r.value.group_id for r in episodes}) == sorted(p.prompt_id for p in good)
+
+
+@pytest.mark.timeout(900)
+async def test_buffer_survives_ten_thousand_bad_policy_values(run_config) -> None:
+    """10,000 hostile values written to the NATS KV key the buffer watches for the latest PolicyVersion: each is
+    dead-lettered (source ``kv:<bucket>/latest``) with its reason, the buffer keeps running and still follows a
+    good version written after them."""
+    from buffer.service import BufferRole
+    from topics.nats import PolicyStore, connect
+    from topics.schemas import PolicyVersion
+
+    cfg = run_config
+    good = PolicyVersion(version=3, step=3)
+    bad = hostile(good, N, seed=4, nan_field="reward", max_bytes=codec.DEFAULT_MAX_BYTES)  # NATS caps size first
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    nc = await connect(cfg.nats, name="fuzz")
+    try:
+        store = PolicyStore(nc, cfg.names)
+        await store.start()
+        deadline = time.monotonic() + 60
+        while role.store is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # the watch is open
+        for value in bad:
+            await store.put(cfg.names.LATEST_KEY, value)
+        await store.put(cfg.names.LATEST_KEY, codec.encode(good))
+        deadline = time.monotonic() + 300
+        while role.latest_version != 3 and time.monotonic() < deadline:
+            assert not task.done(), task
+            await asyncio.sleep(0.5)
+        assert role.latest_version == 3
+        letters = await wait_dead_letters(cfg, N, 300, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        await nc.close()
+    reasons = Counter(x.value.reason for x in letters)
+    assert len(letters) == N and {x.value.source for x in letters} == {f"kv:{cfg.names.policy_bucket}/latest"}
+    assert set(reasons) <= {"malformed", "unknown_schema", "oversized", "invalid"} and reasons["unknown_schema"] > 0
+    assert role.counters["bad_nats_values"] == N
+
+
+@pytest.mark.timeout(900)
+async def test_trainer_survives_ten_thousand_bad_membership_and_ack_messages(run_config, tmp_path) -> None:
+    """10,000 hostile messages each on the membership and ack subjects of a running trainer's weight publisher:
+    each is dead-lettered (source = the subject) with its reason, and the trainer then trains its batches."""
+    from consumers.ledger import Ledger
+    from consumers.trainer import TrainerRole
+    from producers.tiny_model import build_tiny_model
+    from topics.nats import connect
+    from topics.schemas import Membership, VersionAck
+
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "trainer_role_batches", Path(__file__).resolve().parents[1] / "integration" / "test_trainer_role.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    cfg = run_config
+    cfg.model.path = str(build_tiny_model(tmp_path / "tiny", seed=0))
+    cfg.trainer.max_steps = 2
+    cfg.trainer.checkpoint_every = 100
+    cfg.weightsync.transport = "file"
+    cfg.weightsync.ack_deadline_s = 2.0
+    max_bytes = codec.DEFAULT_MAX_BYTES  # NATS caps the size (1 MiB) before the codec would
+    bad_members = hostile(Membership(generator_id="g", event="join"), N, seed=5, nan_field="reward",
+                          max_bytes=max_bytes)
+    bad_acks = hostile(VersionAck(generator_id="g", version=1), N, seed=6, nan_field="reward", max_bytes=max_bytes)
+    role = TrainerRole(cfg)
+    task = asyncio.create_task(role.serve())
+    nc = await connect(cfg.nats, name="fuzz")
+    try:
+        deadline = time.monotonic() + 120
+        while (role.publisher is None or not role.publisher._subs) and time.monotonic() < deadline:
+            assert not task.done(), task
+            await asyncio.sleep(0.2)
+        for data in bad_members:
+            await nc.publish(cfg.names.membership_subject, data)
+        for data in bad_acks:
+            await nc.publish(cfg.names.ack_subject, data)
+        await nc.flush()
+        letters = await wait_dead_letters(cfg, 2 * N, 600, task)
+        async with Producer(cfg.kafka) as producer:
+            for b in (helpers.make_batch(0), helpers.make_batch(1)):
+                await producer.send(cfg.names.batches, b, key=b.batch_id)
+        await asyncio.wait_for(task, 300)
+    finally:
+        await nc.close()
+        if not task.done():
+            task.cancel()
+    assert role.finished_reason.startswith("max_steps") and len(Ledger.read(cfg.run_dir)) == 2
+    by_source = Counter(x.value.source for x in letters)
+    assert by_source == {cfg.names.membership_subject: N, cfg.names.ack_subject: N}, by_source
+    reasons = Counter(x.value.reason for x in letters)
+    assert set(reasons) <= {"malformed", "unknown_schema", "invalid"} and reasons["unknown_schema"] > 0, reasons
+    assert role.publisher.counters["bad_messages"] == 2 * N
