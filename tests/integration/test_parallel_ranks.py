@@ -18,8 +18,9 @@ sequence parallel, no loss parallel) runs; the logits are replicated on every TP
 
 Tolerances: fp32, the same math summed in another order (rows split over ranks, partial sums all-reduced, TP
 matmuls split over the hidden dimension). Gradients are compared with ``atol = 1e-5 * max|ref|`` (about 100 fp32
-ulps of the largest entry) and metrics with ``rel 1e-5``: a factor or normaliser error (a rank-local mean, a
-missing dp factor) is off by 10 % or more. Weights after AdamW steps: ``assert_same_weights``.
+ulps of the largest entry; measured: at most 7.6e-7 of it over every case, dp2, tp2 and dp2 x tp2) and metrics
+with ``rel 1e-5``: a factor or normaliser error (a rank-local mean, a missing dp factor) is off by 10 % or more.
+Weights after AdamW steps: ``assert_same_weights`` (``5e-4`` at lr ``1e-2``; measured 1.6e-4 after one tp2 step).
 """
 
 from __future__ import annotations
