@@ -33,8 +33,11 @@ class KafkaConfig:
     ssl_cafile: str = ""
     ssl_certfile: str = ""
     ssl_keyfile: str = ""
+    idempotent: bool = False  # producer idempotence (needs acks "all"); real Kafka has it, Tansu does not
 
     def __post_init__(self) -> None:
+        if self.idempotent and self.acks != "all":
+            raise ConfigError("kafka.idempotent", "needs kafka.acks 'all'")
         if self.acks not in ("0", "1", "all"):
             raise ConfigError("kafka.acks", f"must be '0', '1' or 'all', not {self.acks!r}")
         if self.compression not in _COMPRESSION:

@@ -31,7 +31,7 @@ from opentelemetry import context as otel_context
 
 from topics import codec
 from topics.config import KafkaConfig
-from topics.errors import BrokerError, BrokerUnavailable, CodecError
+from topics.errors import BrokerError, BrokerUnavailable, CodecError, ConfigError
 from topics.names import Names
 from topics.schemas import DeadLetter
 from topics.tracing import context_from_kafka, kafka_headers
@@ -92,6 +92,7 @@ class Producer:
             acks="all" if cfg.acks == "all" else int(cfg.acks),
             compression_type=None if cfg.compression == "none" else cfg.compression,
             linger_ms=cfg.linger_ms,
+            enable_idempotence=cfg.idempotent,
             max_request_size=cfg.max_message_bytes + 64 * 1024,
             **({"max_batch_size": max_batch_bytes} if max_batch_bytes > 0 else {}),
         )
@@ -102,7 +103,15 @@ class Producer:
         if self._started:
             return
         self._started = True
-        await _start_with_retries(self._producer, self.cfg, "producer")
+        try:
+            await _start_with_retries(self._producer, self.cfg, "producer")
+        except KafkaError as exc:
+            if not self.cfg.idempotent:
+                raise
+            with contextlib.suppress(Exception):
+                await self._producer.stop()
+            raise ConfigError("kafka.idempotent", f"the broker refused an idempotent producer ({exc!r}); "
+                                                  "Tansu, the embedded broker, has no idempotence") from exc
 
     async def stop(self) -> None:
         """Flush every accepted record, then close. Idempotent."""
