@@ -23,18 +23,21 @@ not disturb the live model; the vLLM CPU integration test checks that generation
 still uses the committed weights.
 
 Limit: processing that keeps state on a layer other than parameters, buffers and plain functions (say a packed
-tensor stored as a bare attribute) would not be carried over by ``commit``; vLLM's unquantized CPU and GPU layers
-keep theirs in those three, which the tests cover for the tiny Llama. A model that does otherwise runs with
-staging off.
+tensor stored as a bare attribute) would not be carried over by ``commit``. vLLM's unquantized CPU layers keep
+theirs in those three (the tests cover the tiny Llama on CPU); on GPU unquantized layers keep plain parameters. A
+model that does otherwise runs with staging off.
 
-Cost: one more copy of the model's weights in the worker's memory. ``WeightSyncConfig.staged_load=False`` turns
-staging off (the reload then runs on the live model inside the pause, as vLLM's own ``reload_weights`` does).
+Cost: one more copy of the model's weights in the worker's memory (on a GPU, in device memory next to vLLM's
+reservation: leave room for it below ``gpu_memory_utilization``), made once, at the first staged version.
+``WeightSyncConfig.staged_load=False`` turns staging off (the reload then runs on the live model inside the pause,
+as vLLM's own ``reload_weights`` does).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import sys
 import time
 import types
 from collections.abc import Iterable
@@ -67,8 +70,10 @@ class ShadowModel:
     """A staging copy of a vLLM model; see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, model_config) -> None:
-        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, get_layerwise_info
-
+        # vLLM's per-layer restore metadata, recorded when it loaded the model (so the module is imported by then;
+        # a model vLLM never loaded has none to copy)
+        layerwise = sys.modules.get("vllm.model_executor.model_loader.reload.layerwise")
+        infos = layerwise.LAYERWISE_INFO if layerwise is not None else {}
         t0 = time.perf_counter()
         memo: dict[int, object] = {}
         for module in model.modules():
@@ -83,11 +88,11 @@ class ShadowModel:
         if len(live_modules) != len(shadow_modules):
             raise RuntimeError("the shadow copy of the model has a different module tree")
         for live, shadow in zip(live_modules, shadow_modules, strict=True):
-            info = LAYERWISE_INFO.get(live)
+            info = infos.get(live)
             if info is None:
                 continue
             params, buffers = info.restore_metadata
-            mine = get_layerwise_info(shadow)
+            mine = layerwise.get_layerwise_info(shadow)
             mine.restore_metadata = ({k: _owned_meta(t, live, shadow) for k, t in params.items()},
                                      {k: _owned_meta(t, live, shadow) for k, t in buffers.items()})
             mine.restore_device = info.restore_device
