@@ -83,6 +83,28 @@ def with_section(cfg, section: str, **kw):
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
 
 
+def trainer_test_helpers():
+    """tests/integration/test_trainer_role.py as a module (its ``make_batch``)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "trainer_role_batches", Path(__file__).resolve().parents[1] / "integration" / "test_trainer_role.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    return helpers
+
+
+def two_step_trainer(cfg, model_dir):
+    """The run config for a trainer that stops after two steps and publishes versions as files."""
+    cfg.model.path = str(model_dir)
+    cfg.trainer.max_steps = 2
+    cfg.trainer.checkpoint_every = 100
+    cfg.weightsync.transport = "file"
+    cfg.weightsync.ack_deadline_s = 2.0
+    return cfg
+
+
 async def wait_dead_letters(cfg, n: int, timeout_s: float, task: asyncio.Task) -> list:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -138,20 +160,8 @@ async def test_trainer_survives_ten_thousand_bad_batches(run_config, tmp_path) -
     from consumers.trainer import TrainerRole
     from producers.tiny_model import build_tiny_model
 
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "trainer_role_batches", Path(__file__).resolve().parents[1] / "integration" / "test_trainer_role.py")
-    helpers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helpers)
-    make_batch = helpers.make_batch
-    cfg = run_config
-    cfg.model.path = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    cfg.trainer.max_steps = 2
-    cfg.trainer.checkpoint_every = 100
-    cfg.weightsync.transport = "file"
-    cfg.weightsync.ack_deadline_s = 2.0
+    make_batch = trainer_test_helpers().make_batch
+    cfg = two_step_trainer(run_config, build_tiny_model(tmp_path / "tiny", seed=0))
     cfg.kafka.max_message_bytes = ROLE_MAX_BYTES
     good = [make_batch(i) for i in range(2)]
     bad = hostile(good[0], N, seed=2, nan_field="advantages")
@@ -282,19 +292,8 @@ async def test_trainer_survives_ten_thousand_bad_membership_and_ack_messages(run
     from topics.nats import connect
     from topics.schemas import Membership, VersionAck
 
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "trainer_role_batches", Path(__file__).resolve().parents[1] / "integration" / "test_trainer_role.py")
-    helpers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helpers)
-    cfg = run_config
-    cfg.model.path = str(build_tiny_model(tmp_path / "tiny", seed=0))
-    cfg.trainer.max_steps = 2
-    cfg.trainer.checkpoint_every = 100
-    cfg.weightsync.transport = "file"
-    cfg.weightsync.ack_deadline_s = 2.0
+    helpers = trainer_test_helpers()
+    cfg = two_step_trainer(run_config, build_tiny_model(tmp_path / "tiny", seed=0))
     max_bytes = codec.DEFAULT_MAX_BYTES  # NATS caps the size (1 MiB) before the codec would
     bad_members = hostile(Membership(generator_id="g", event="join"), N, seed=5, nan_field="reward",
                           max_bytes=max_bytes)
