@@ -176,7 +176,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             from producers.hf_models import default_cache_dir, ensure_source_model
 
             cache = config.model.cache_dir or str(default_cache_dir())
-            print(f"model {config.model.source}: converting once into {cache} (reused after)", flush=True)
+            print(f"model {config.model.source}: {cache}/{config.model.source} (converted on first use)", flush=True)
             model_path = str(await asyncio.to_thread(ensure_source_model, config.model.source, cache))
         elif not model_path:
             from producers.tiny_model import build_tiny_model

@@ -4,7 +4,7 @@ Bounded for a test (smaller groups and responses than the config, no zero-varian
 the first batches); checks the run directory's metrics, that the generator swapped to a trained version, and that
 the audit reconciles. The model is converted once into the user cache (~/.cache/streamforge/models, 1-2 min the
 first time) and reused after, like a model hub cache. Measured on the shared 2-core machine under heavy load (load
-average 17): 7 min 49 s in all, of which the trainer's first step took 151 s (the second 20 s).
+average 15-17): 6 to 7.8 min in all; in one run the trainer's first step took 151 s, its second 20 s.
 """
 
 from __future__ import annotations
