@@ -250,9 +250,14 @@ def staleness(batch: Batch, version: int) -> float:
 
 
 def model_dir_for(config: Any) -> Path:
-    """``model.path``, or the tiny model built (once) into ``<run_dir>/model``."""
+    """``model.path``, else ``model.source`` converted (once) into its cache dir, else the tiny model built (once)
+    into ``<run_dir>/model``."""
     if config.model.path:
         return Path(config.model.path)
+    if config.model.source:
+        from producers.hf_models import ensure_source_model
+
+        return ensure_source_model(config.model.source, config.model.cache_dir)
     from producers.tiny_model import build_tiny_model
 
     out = config.run_dir / "model"

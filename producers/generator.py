@@ -158,7 +158,8 @@ class GeneratorRole(Service):
         self.rewards = RewardSet(self.cfg.rewards, self.cfg.reward_weights, timeout_s=self.cfg.reward_timeout_s,
                                  max_workers=min(32, 2 * self.cfg.group_size))
         if self.engine is None:
-            model = ensure_model(self.config.model.path, self.config.run_dir, seed=self.config.run.seed)
+            model = ensure_model(self.config.model.path, self.config.run_dir, seed=self.config.run.seed,
+                                 source=self.config.model.source, cache_dir=self.config.model.cache_dir)
             self.engine = Engine(
                 str(model), max_model_len=self.config.model.max_seq_len, seed=self.cfg.seed,
                 kv_cache_gib=self.cfg.kv_cache_gib, gpu_memory_utilization=self.cfg.gpu_memory_utilization,

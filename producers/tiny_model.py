@@ -134,14 +134,19 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def ensure_model(model_path: str, run_dir: str | Path, *, seed: int = 0) -> Path:
-    """``model_path`` if set, else the tiny model in ``<run_dir>/model`` (built once; safe across processes).
+def ensure_model(model_path: str, run_dir: str | Path, *, seed: int = 0, source: str = "", cache_dir: str = "") -> Path:
+    """``model_path`` if set, else the pretrained ``source`` (``producers/hf_models.py``, converted once into
+    ``cache_dir``), else the tiny model in ``<run_dir>/model`` (built once; safe across processes).
 
     Concurrent callers each build into a private temporary directory and rename it into place; the loser of the
     rename keeps the winner's (identical, same seed) copy.
     """
     if model_path:
         return Path(model_path)
+    if source:
+        from producers.hf_models import ensure_source_model
+
+        return ensure_source_model(source, cache_dir)
     import os
     import shutil
 

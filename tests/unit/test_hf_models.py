@@ -45,3 +45,21 @@ def test_smollm2_config_loads() -> None:
 def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / "streamforge" / "models"
+
+
+def test_roles_started_alone_resolve_the_source_not_the_tiny_model(tmp_path) -> None:
+    """`streamforge run generator|trainer` without up: the generator's ensure_model and the trainer's model_dir_for
+    find the converted source in its cache dir (here a cache already holding it), never build the tiny model."""
+    from consumers.engine import model_dir_for
+    from producers.tiny_model import ensure_model
+
+    cached = tmp_path / "cache" / "smollm2-135m"
+    cached.mkdir(parents=True)
+    (cached / "config.json").write_text("{}")
+    (cached / "model.safetensors").write_bytes(b"")
+    run_dir = tmp_path / "run"
+    config = load_config(ROOT / "configs" / "smollm2.yaml",
+                         [f"--run.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"], environ={})
+    assert model_dir_for(config) == cached
+    assert ensure_model("", run_dir, source=config.model.source, cache_dir=config.model.cache_dir) == cached
+    assert not run_dir.exists()
