@@ -234,7 +234,7 @@ class BufferRole(Service):
         raise RuntimeError("the policy-version watch ended")
 
     async def _dead_letter_value(self, source: str, value: bytes, exc: Exception) -> None:
-        """A NATS value this buffer cannot read (the KV's latest version): dead-lettered with its reason."""
+        """A NATS value this buffer cannot read (the KV's latest version or fencing record): dead-lettered."""
         assert self.dead is not None
         await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
                                    wait=False)
@@ -244,7 +244,7 @@ class BufferRole(Service):
         """Follows the fencing record (KV key ``fenced``, written by the trainer's weight publisher) for the
         ``fenced`` filter. Waits on the KV watch only; runs until cancelled."""
         assert self.fence is not None
-        await self.fence.loop()
+        await self.fence.loop(on_bad=self._dead_letter_value)
         raise RuntimeError("the fencing watch ended")
 
     # -- one iteration ------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Hostile input through running roles, 10,000 bad messages per kind of input, interleaved with good ones: the
-``episodes`` topic (buffer), ``batches`` (trainer), ``prompts`` (generator on real vLLM, plus prompts that decode but
-no engine can take), the NATS KV latest-version key (buffer) and the membership and ack subjects (trainer). Every
+``episodes`` topic (buffer), ``batches`` and ``sft`` (trainer), ``prompts`` (generator on real vLLM, plus prompts
+that decode but no engine can take), the NATS KV latest-version and fencing keys (buffer) and the membership and ack
+subjects (trainer). ``drops`` and ``dead-letter`` are read only by tools (audit, tail), which skip what they cannot
+decode; the policy-notification subject has no subscriber among the roles (they watch the KV key). Every
 role keeps running, every bad message lands in the dead-letter topic with a reason, the good ones are processed, and
 the audit still reconciles.
 
@@ -326,3 +328,104 @@ async def test_trainer_survives_ten_thousand_bad_membership_and_ack_messages(run
     reasons = Counter(x.value.reason for x in letters)
     assert set(reasons) <= {"malformed", "unknown_schema", "invalid"} and reasons["unknown_schema"] > 0, reasons
     assert role.publisher.counters["bad_messages"] == 2 * N
+
+
+def hostile_fenced(n: int, seed: int) -> list[bytes]:
+    """Fencing records (JSON ``{generator_id: {"last_acked_version": int}}``) that the buffer cannot read."""
+    import orjson
+
+    from weightsync.members import parse_fenced
+
+    rng = random.Random(seed)
+    good = orjson.dumps({"gen-1": {"last_acked_version": 4, "fenced_at": 1.0}})
+    shapes = [b"[]", b'"x"', b"3", b'{"g": 3}', b'{"g": {}}', b'{"g": {"last_acked_version": "v"}}',
+              b'{"g": {"last_acked_version": 1e400}}', b'{"g": {"last_acked_version": [1]}}', b"null"]
+    out: list[bytes] = []
+    attempts = 0
+    while len(out) < n:
+        kind, attempts = attempts % 4, attempts + 1
+        if kind == 0:
+            data = rng.randbytes(rng.randrange(1, 200))
+        elif kind == 1:
+            data = good[: rng.randrange(1, len(good))]
+        elif kind == 2:
+            raw = bytearray(good)
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+            data = bytes(raw)
+        else:
+            data = rng.choice(shapes) + b" " * rng.randrange(3)
+        try:
+            parse_fenced(data)
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+            out.append(data)
+    return out
+
+
+@pytest.mark.timeout(900)
+async def test_buffer_survives_ten_thousand_bad_fencing_records(run_config) -> None:
+    """10,000 unreadable values of the fencing key the buffer follows: each is dead-lettered (source
+    ``kv:<bucket>/fenced``), the buffer keeps running and adopts the good record written after them."""
+    import orjson
+
+    from buffer.service import BufferRole
+    from topics.nats import PolicyStore, connect
+    from weightsync.members import FENCED_KEY
+
+    cfg = run_config
+    bad = hostile_fenced(N, seed=7)
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    nc = await connect(cfg.nats, name="fuzz")
+    try:
+        store = PolicyStore(nc, cfg.names)
+        await store.start()
+        deadline = time.monotonic() + 60
+        while role.fence is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # the watch is open
+        for value in bad:
+            await store.put(FENCED_KEY, value)
+        await store.put(FENCED_KEY, orjson.dumps({"gen-7": {"last_acked_version": 5}}))
+        deadline = time.monotonic() + 300
+        while role.fence.fenced != {"gen-7": 5} and time.monotonic() < deadline:
+            assert not task.done(), task
+            await asyncio.sleep(0.5)
+        assert role.fence.fenced == {"gen-7": 5}
+        letters = await wait_dead_letters(cfg, N, 300, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        await nc.close()
+    assert len(letters) == N and {x.value.source for x in letters} == {f"kv:{cfg.names.policy_bucket}/fenced"}
+    assert {x.value.reason for x in letters} == {"malformed"} and role.counters["bad_nats_values"] == N
+
+
+@pytest.mark.timeout(900)
+async def test_sft_trainer_survives_ten_thousand_bad_examples(run_config, tmp_path) -> None:
+    """The ``sft`` topic: 10,000 hostile records before the good examples of a trainer in SFT mode."""
+    from consumers.ledger import Ledger
+    from consumers.trainer import TrainerRole
+    from producers.tiny_model import build_tiny_model
+    from topics.schemas import SFTExample
+
+    cfg = two_step_trainer(run_config, build_tiny_model(tmp_path / "tiny", seed=0))
+    cfg.trainer.mode = "sft"
+    cfg.trainer.sft_batch_size = 4
+    cfg.nats.url = ""  # SFT without generators: nothing to publish
+    cfg.kafka.max_message_bytes = ROLE_MAX_BYTES
+    good = [SFTExample(example_id=f"ex{i}", prompt=f"{i % 4}+1=", completion=str(i % 4 + 1)) for i in range(8)]
+    bad = hostile(good[0], N, seed=8, nan_field="reward")
+    big = dataclasses.replace(cfg.kafka, max_message_bytes=16 * 1024 * 1024)
+    async with Producer(big) as producer:
+        futs = [await producer.enqueue_raw(cfg.names.sft, r, key="bad") for r in bad]
+        await asyncio.gather(*futs)
+        for ex in good:
+            await producer.send(cfg.names.sft, ex, key=ex.example_id)
+    role = TrainerRole(cfg)
+    await asyncio.wait_for(role.serve(), 600)
+    assert role.finished_reason.startswith("max_steps") and len(Ledger.read(cfg.run_dir)) == 2
+    letters = await read_topic(big, cfg.names.dead_letter, expect=DeadLetter)
+    reasons = Counter(x.value.reason for x in letters)
+    assert sum(reasons.values()) == N and all(x.value.source == cfg.names.sft for x in letters), reasons
+    assert reasons["oversized"] > 0 and reasons["unknown_schema"] > 0
