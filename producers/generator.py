@@ -191,14 +191,18 @@ class GeneratorRole(Service):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for closer in (self._close_consumer, self._close_receiver, self._close_producer, self._close_nats):
+            t0 = time.monotonic()
             try:
                 await closer()
             except Exception as exc:  # noqa: BLE001 - close the rest whatever failed
                 log.warning("generator stop: %s: %s", closer.__name__, exc)
+            log.info("stop: %s took %.1f s", closer.__name__, time.monotonic() - t0)
         if self.rewards is not None:
             self.rewards.close()
         if self._own_engine and self.engine is not None:
+            t0 = time.monotonic()
             await self.engine.stop()
+            log.info("stop: engine took %.1f s", time.monotonic() - t0)
 
     async def _close_consumer(self) -> None:
         if self.consumer is not None:
@@ -226,10 +230,13 @@ class GeneratorRole(Service):
         """Stop taking prompts; wait for the ones in flight (their Episodes acked); commit them."""
         self._intake_closed = True
         self._wake.set()
+        t0 = time.monotonic()
         if self._tasks:
+            log.info("drain: waiting for %d prompts in flight", len(self._tasks))
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self._commit()
         self._report()  # the last metrics row holds the final counts
+        log.info("drain: done in %.1f s", time.monotonic() - t0)
 
     # -- loops ----------------------------------------------------------------------------------
     async def _policy(self) -> None:
