@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install test test-bigmodel test-fast demo bench lint clean
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,10 @@ $(STAMP):
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -m "not bigmodel"
+
+test-bigmodel: install  # the SmolLM2-135M tests (about 12 min more on 2 cores)
+	$(PY) -m pytest tests -m bigmodel
 
 test-fast: install
 	$(PY) -m pytest tests/unit

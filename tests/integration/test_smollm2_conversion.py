@@ -16,7 +16,7 @@ import torch
 
 from producers.hf_models import SMOLLM2_GGUF, ensure_source_model, smollm2_gguf
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.bigmodel]
 
 TEXTS = ["What is 12 + 7? Answer with a number.", "Spell 'streamforge' backward:"]
 

@@ -20,7 +20,7 @@ import pytest
 from streamforge.plots import read_metrics
 from streamforge.telemetry import read_spans
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.bigmodel]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2
