@@ -85,6 +85,39 @@ def with_section(cfg, section: str, **kw):
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **kw)})
 
 
+async def kv_values_under_buffer(cfg, key: str, bad: list[bytes], good: bytes, adopted) -> tuple:
+    """Write ``bad`` then ``good`` to the policy bucket's ``key`` under a running buffer; wait until
+    ``adopted(role)`` and until every bad value is dead-lettered. Returns the stopped role and the dead letters."""
+    from buffer.service import BufferRole
+    from topics.nats import PolicyStore, connect
+
+    role = BufferRole(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(role.serve(stop))
+    nc = await connect(cfg.nats, name="fuzz")
+    try:
+        store = PolicyStore(nc, cfg.names)
+        await store.start()
+        deadline = time.monotonic() + 60
+        while (role.store is None or role.fence is None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # the watches are open
+        for value in bad:
+            await store.put(key, value)
+        await store.put(key, good)
+        deadline = time.monotonic() + 300
+        while not adopted(role) and time.monotonic() < deadline:
+            assert not task.done(), task
+            await asyncio.sleep(0.5)
+        assert adopted(role)
+        letters = await wait_dead_letters(cfg, len(bad), 300, task)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+        await nc.close()
+    return role, letters
+
+
 def trainer_test_helpers():
     """tests/integration/test_trainer_role.py as a module (its ``make_batch``)."""
     import importlib.util
@@ -247,37 +280,13 @@ async def test_buffer_survives_ten_thousand_bad_policy_values(run_config) -> Non
     """10,000 hostile values written to the NATS KV key the buffer watches for the latest PolicyVersion: each is
     dead-lettered (source ``kv:<bucket>/latest``) with its reason, the buffer keeps running and still follows a
     good version written after them."""
-    from buffer.service import BufferRole
-    from topics.nats import PolicyStore, connect
     from topics.schemas import PolicyVersion
 
     cfg = run_config
     good = PolicyVersion(version=3, step=3)
     bad = hostile(good, N, seed=4, nan_field="reward", max_bytes=codec.DEFAULT_MAX_BYTES)  # NATS caps size first
-    role = BufferRole(cfg)
-    stop = asyncio.Event()
-    task = asyncio.create_task(role.serve(stop))
-    nc = await connect(cfg.nats, name="fuzz")
-    try:
-        store = PolicyStore(nc, cfg.names)
-        await store.start()
-        deadline = time.monotonic() + 60
-        while role.store is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # the watch is open
-        for value in bad:
-            await store.put(cfg.names.LATEST_KEY, value)
-        await store.put(cfg.names.LATEST_KEY, codec.encode(good))
-        deadline = time.monotonic() + 300
-        while role.latest_version != 3 and time.monotonic() < deadline:
-            assert not task.done(), task
-            await asyncio.sleep(0.5)
-        assert role.latest_version == 3
-        letters = await wait_dead_letters(cfg, N, 300, task)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-        await nc.close()
+    role, letters = await kv_values_under_buffer(cfg, cfg.names.LATEST_KEY, bad, codec.encode(good),
+                                                 lambda role: role.latest_version == 3)
     reasons = Counter(x.value.reason for x in letters)
     assert len(letters) == N and {x.value.source for x in letters} == {f"kv:{cfg.names.policy_bucket}/latest"}
     assert set(reasons) <= {"malformed", "unknown_schema", "oversized", "invalid"} and reasons["unknown_schema"] > 0
@@ -367,36 +376,12 @@ async def test_buffer_survives_ten_thousand_bad_fencing_records(run_config) -> N
     ``kv:<bucket>/fenced``), the buffer keeps running and adopts the good record written after them."""
     import orjson
 
-    from buffer.service import BufferRole
-    from topics.nats import PolicyStore, connect
     from weightsync.members import FENCED_KEY
 
     cfg = run_config
-    bad = hostile_fenced(N, seed=7)
-    role = BufferRole(cfg)
-    stop = asyncio.Event()
-    task = asyncio.create_task(role.serve(stop))
-    nc = await connect(cfg.nats, name="fuzz")
-    try:
-        store = PolicyStore(nc, cfg.names)
-        await store.start()
-        deadline = time.monotonic() + 60
-        while role.fence is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # the watch is open
-        for value in bad:
-            await store.put(FENCED_KEY, value)
-        await store.put(FENCED_KEY, orjson.dumps({"gen-7": {"last_acked_version": 5}}))
-        deadline = time.monotonic() + 300
-        while role.fence.fenced != {"gen-7": 5} and time.monotonic() < deadline:
-            assert not task.done(), task
-            await asyncio.sleep(0.5)
-        assert role.fence.fenced == {"gen-7": 5}
-        letters = await wait_dead_letters(cfg, N, 300, task)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
-        await nc.close()
+    good = orjson.dumps({"gen-7": {"last_acked_version": 5}})
+    role, letters = await kv_values_under_buffer(cfg, FENCED_KEY, hostile_fenced(N, seed=7), good,
+                                                 lambda role: role.fence.fenced == {"gen-7": 5})
     assert len(letters) == N and {x.value.source for x in letters} == {f"kv:{cfg.names.policy_bucket}/fenced"}
     assert {x.value.reason for x in letters} == {"malformed"} and role.counters["bad_nats_values"] == N
 
