@@ -20,9 +20,9 @@ $(STAMP):
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest tests -m "not bigmodel"
+	$(PY) -m pytest tests
 
-test-bigmodel: install  # the SmolLM2-135M tests (about 12 min more on 2 cores)
+test-bigmodel: install  # only the SmolLM2-135M tests (part of `make test` too)
 	$(PY) -m pytest tests -m bigmodel
 
 test-fast: install
