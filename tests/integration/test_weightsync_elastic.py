@@ -28,7 +28,7 @@ from weightsync.receiver import WeightReceiver
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(420)]
 
-ACK_DEADLINE = 8.0
+ACK_DEADLINE = 20.0  # both engines share one CPU core here: a CI run saw a live g0 miss 8 s under load
 MEMBER_TIMEOUT = 6.0  # generous: a starved CPU can delay heartbeats by seconds
 
 
