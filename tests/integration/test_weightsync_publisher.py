@@ -18,7 +18,7 @@ from weightsync.files import read_version
 from weightsync.members import FENCED_KEY, parse_fenced
 from weightsync.publisher import VersionRegression, WeightPublisher
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -28,7 +28,7 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
             ("lm_head.weight", torch.randn(64, 16, generator=g))]
 
 
-async def _until(pred, timeout: float = 10.0) -> None:
+async def _until(pred, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while not pred():
             await asyncio.sleep(0.02)
@@ -36,7 +36,7 @@ async def _until(pred, timeout: float = 10.0) -> None:
 
 async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run_config, tmp_path):
     names = run_config.names
-    cfg = WeightSyncConfig(transport="file", shared_dir=str(tmp_path / "shared"), ack_deadline_s=1.0)
+    cfg = WeightSyncConfig(transport="file", shared_dir=str(tmp_path / "shared"), ack_deadline_s=3.0)
     nc = await connect(run_config.nats, name="trainer")
     gen = await connect(run_config.nats, name="generator")
     try:
@@ -62,7 +62,7 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             w1 = _weights(1)
             pv = await pub.publish(version=1, step=10, named_tensors=lambda: iter(w1), batch_ids=["b1", "b2"])
             took = time.monotonic() - t0
-            assert 0.9 < took < 5.0, took  # waited for the deadline, not forever
+            assert 2.9 < took < 10.0, took  # waited for the deadline, not forever
             assert pv.transport == "file" and pv.batch_ids == ["b1", "b2"]
             stored = read_version(pv.path)
             for name, t in w1:
@@ -80,7 +80,7 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             # the silent generator catches up: unfenced, and the next round does not wait on anyone
             await publish_msg(gen, names.ack_subject, VersionAck(generator_id="silent", version=1))
             await gen.flush()
-            for _ in range(50):
+            for _ in range(400):
                 if parse_fenced(await store.get(FENCED_KEY)) == {}:
                     break
                 await asyncio.sleep(0.05)
@@ -94,7 +94,7 @@ async def test_file_round_fences_a_silent_member_and_unfences_it_on_catch_up(run
             t0 = time.monotonic()
             task = await pub.submit(version=2, step=20, named_tensors=lambda: iter(_weights(2)), batch_ids=["b3"])
             pv2 = await task
-            assert pv2.version == 2 and time.monotonic() - t0 < 0.9
+            assert pv2.version == 2 and time.monotonic() - t0 < 2.9
             with pytest.raises(VersionRegression):
                 await pub.publish(version=2, step=21, named_tensors=lambda: iter(_weights(3)), batch_ids=[])
 
