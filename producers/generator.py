@@ -371,7 +371,7 @@ class GeneratorRole(Service):
                              num_prompts=self.config.feeder.num_prompts)
         for prompt in source:
             await self._wait_for_slot()
-            self._spawn(prompt, None, None)
+            self._spawn(prompt, self._prompt_tokens(prompt), None, None)
         while True:  # the source is exhausted: the role idles until stopped
             await self._wait_for_slot()
             self._wake.clear()
@@ -380,7 +380,7 @@ class GeneratorRole(Service):
     async def _take(self, rec: Received) -> None:
         """Spawn the prompt's task, or dead-letter the record: undecodable, or a prompt no engine can take."""
         self.offsets.take(rec.tp, rec.offset)
-        detail = "" if rec.error is not None or rec.value is None else self._unusable(rec.value)
+        tokens, detail = ([], "") if rec.error is not None or rec.value is None else self._checked_tokens(rec.value)
         if rec.error is not None or rec.value is None or detail:
             assert self.dead is not None
             # pipelined: a flood of bad records is not one broker round trip each; _commit awaits the acks first
@@ -392,26 +392,26 @@ class GeneratorRole(Service):
                 self._dead_commit_at = time.monotonic()
                 await self._commit()
             return
-        self._spawn(rec.value, rec, rec.context)
+        self._spawn(rec.value, tokens, rec, rec.context)
 
-    def _unusable(self, prompt: Prompt) -> str:
-        """Why the engine cannot take this (decodable) prompt, or "" when it can."""
+    def _checked_tokens(self, prompt: Prompt) -> tuple[list[int], str]:
+        """A (decodable) prompt's tokens and "", or ([], why the engine cannot take it). Tokenizes once."""
         if not prompt.text and not len(prompt.token_ids):
-            return f"prompt {prompt.prompt_id!r} is empty"
+            return [], f"prompt {prompt.prompt_id!r} is empty"
         try:
             tokens = self._prompt_tokens(prompt)
         except Exception as exc:  # noqa: BLE001 - hostile text the tokenizer rejects
-            return f"prompt {prompt.prompt_id!r} does not tokenize: {type(exc).__name__}: {exc}"
+            return [], f"prompt {prompt.prompt_id!r} does not tokenize: {type(exc).__name__}: {exc}"
         if not tokens:
-            return f"prompt {prompt.prompt_id!r} is empty"
+            return [], f"prompt {prompt.prompt_id!r} is empty"
         limit = self.engine.max_model_len if self.engine is not None else self.config.model.max_seq_len
         if len(tokens) + self.cfg.max_tokens > limit:
-            return (f"prompt {prompt.prompt_id!r}: {len(tokens)} tokens + max_tokens {self.cfg.max_tokens} exceed "
-                    f"max_model_len {limit}")
+            return [], (f"prompt {prompt.prompt_id!r}: {len(tokens)} tokens + max_tokens {self.cfg.max_tokens} "
+                        f"exceed max_model_len {limit}")
         vocab = self._vocab_size()
         if vocab and (min(tokens) < 0 or max(tokens) >= vocab):
-            return f"prompt {prompt.prompt_id!r}: token ids outside the vocabulary [0, {vocab})"
-        return ""
+            return [], f"prompt {prompt.prompt_id!r}: token ids outside the vocabulary [0, {vocab})"
+        return tokens, ""
 
     def _vocab_size(self) -> int:
         if self._vocab is None:
@@ -421,11 +421,11 @@ class GeneratorRole(Service):
                 self._vocab = 0
         return self._vocab
 
-    def _spawn(self, prompt: Prompt, rec: Received | None, ctx: Any) -> None:
+    def _spawn(self, prompt: Prompt, tokens: list[int], rec: Received | None, ctx: Any) -> None:
         if self.first_taken_at is None:
             self.first_taken_at = time.perf_counter()
         self.backpressure.took()
-        task = asyncio.create_task(self._process(prompt, rec, ctx), name=f"prompt {prompt.prompt_id}")
+        task = asyncio.create_task(self._process(prompt, tokens, rec, ctx), name=f"prompt {prompt.prompt_id}")
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
 
@@ -442,13 +442,12 @@ class GeneratorRole(Service):
             return [int(t) for t in prompt.token_ids]
         return list(self.tokenizer(prompt.text)["input_ids"])
 
-    async def _process(self, prompt: Prompt, rec: Received | None, ctx: Any) -> None:
-        """Generate, score and produce one group; then mark its offset done and commit."""
+    async def _process(self, prompt: Prompt, tokens: list[int], rec: Received | None, ctx: Any) -> None:
+        """Generate from the prompt's ``tokens``, score and produce one group; then mark its offset done and commit."""
         assert self.engine is not None and self.producer is not None and self.rewards is not None
         t_taken = time.time()
         with _tracer.start_as_current_span("generator.prompt", context=ctx, attributes={
                 "prompt_id": prompt.prompt_id, "generator_id": self.generator_id, "group_size": self.cfg.group_size}):
-            tokens = self._prompt_tokens(prompt)
             with _tracer.start_as_current_span("generator.generate") as span:
                 completions = await self.engine.generate(tokens, self.cfg.group_size, self.sampling,
                                                          request_id=f"{self.generator_id}:{prompt.prompt_id}")
