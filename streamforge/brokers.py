@@ -275,6 +275,13 @@ class EmbeddedBrokers:
             self.stop_one(name)
         self._started = False
 
+    def terminate_nowait(self) -> None:
+        """SIGTERM every child without waiting: for a caller about to exit at once (a second Ctrl-C), so no broker
+        outlives it (they run in their own sessions and would be orphaned) and each still shuts down cleanly."""
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
     def alive(self) -> dict[str, bool]:
         return {name: proc.poll() is None for name, proc in self._procs.items()}
 

@@ -162,6 +162,8 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         else:
             for c in children:
                 c.signal(signal.SIGKILL)
+            if embedded is not None:
+                embedded.terminate_nowait()
             os._exit(130)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -182,15 +184,18 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             from producers.tiny_model import build_tiny_model
 
             model_path = str(run_dir / "model")
-            if not (Path(model_path) / "config.json").exists():
-                build_tiny_model(model_path, seed=config.run.seed)
+            if not (Path(model_path) / "config.json").exists():  # in a thread: Ctrl-C is heard meanwhile
+                await asyncio.to_thread(build_tiny_model, model_path, seed=config.run.seed)
                 if config.model.warmstart_task:
                     from consumers.warmstart import warm_start
 
-                    result = warm_start(model_path, config.model.warmstart_task, seed=config.run.seed,
-                                        target_accuracy=config.model.warmstart_accuracy)
+                    result = await asyncio.to_thread(warm_start, model_path, config.model.warmstart_task,
+                                                     seed=config.run.seed,
+                                                     target_accuracy=config.model.warmstart_accuracy)
                     print(f"warm start: {result['steps']:.0f} supervised steps to greedy accuracy "
                           f"{result['accuracy']:.2f} on {config.model.warmstart_task}", flush=True)
+        if stop.is_set():  # stopped while preparing: start no role
+            return 130
         common = overrides + child_overrides(config, kafka=kafka, nats=nats_url, model_path=model_path)
         base = [sys.executable, "-m", "streamforge", "run"]
         cfg_args = ["--config", config_path] if config_path else []

@@ -98,3 +98,37 @@ def test_tail_prints_decoded_messages_and_errors(run_config) -> None:
     assert good["message"]["prompt_id"] == "p1" and good["message"]["token_ids"]["shape"] == [20]
     bad = next(r for r in rows if "error" in r)
     assert bad["error"]["reason"] == "malformed"
+
+
+def test_up_second_signal_kills_at_once_and_leaves_no_broker(tmp_path: Path) -> None:
+    """Two Ctrl-C's: `up` exits 130 at once, and its embedded brokers (own sessions) do not outlive it."""
+    proc = subprocess.Popen([sys.executable, "-m", "streamforge", "up", "--config", str(ROOT / "configs/demo.yaml"),
+                             "--run-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=ROOT, start_new_session=True)
+
+    def brokers() -> list[str]:  # tansu by its listener address, nats-server by its store under the run dir
+        return [pid for pattern in (f"tcp://{seen['KAFKA_BOOTSTRAP']} ", str(tmp_path / "run" / "brokers"))
+                for pid in subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()]
+
+    seen: dict[str, str] = {}
+    try:
+        deadline = time.monotonic() + 90
+        while "RUN_DIR" not in seen and time.monotonic() < deadline:  # printed once the brokers are up
+            line = proc.stdout.readline()
+            if not line:
+                break
+            key, _, value = line.strip().partition("=")
+            seen[key] = value
+        assert "KAFKA_BOOTSTRAP" in seen and "RUN_DIR" in seen, seen
+        assert len(brokers()) == 2, brokers()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 20
+    while brokers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert brokers() == [], "broker children outlived a forced `streamforge up`"
