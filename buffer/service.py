@@ -64,7 +64,7 @@ from buffer.recovery import committed_since_ms, highwaters, read_decided
 from buffer.state import BufferState, Decision
 from streamforge.config import RunConfig
 from streamforge.lifecycle import Service
-from topics.errors import BrokerError
+from topics.errors import BrokerError, CodecError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
 from topics.schemas import DropRecord, Episode
@@ -233,11 +233,10 @@ class BufferRole(Service):
             self.trained_steps = max(self.trained_steps, pv.step)
         raise RuntimeError("the policy-version watch ended")
 
-    async def _dead_letter_value(self, source: str, value: bytes, exc: Exception) -> None:
+    async def _dead_letter_value(self, source: str, value: bytes, exc: CodecError) -> None:
         """A NATS value this buffer cannot read (the KV's latest version or fencing record): dead-lettered."""
         assert self.dead is not None
-        await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
-                                   wait=False)
+        await self.dead.send_undecodable(source, value, exc)
         self.counters["bad_nats_values"] = self.counters.get("bad_nats_values", 0) + 1
 
     async def _fence_loop(self) -> None:

@@ -57,7 +57,7 @@ from producers.tiny_model import ensure_model
 from streamforge.config import RunConfig
 from streamforge.lifecycle import Service
 from streamforge.metrics import flush_metrics, record_metric
-from topics.errors import BrokerError, StreamforgeError
+from topics.errors import BrokerError, CodecError, StreamforgeError
 from topics.kafka import Consumer, DeadLetters, Producer, Received
 from topics.nats import PolicyStore, connect
 from topics.schemas import Episode, Prompt
@@ -270,11 +270,10 @@ class GeneratorRole(Service):
         flush_metrics(self._reports)
         self._last_report = (dict(self.stats), now)
 
-    async def _dead_letter_value(self, source: str, value: bytes, exc: Exception) -> None:
+    async def _dead_letter_value(self, source: str, value: bytes, exc: CodecError) -> None:
         """A NATS value this generator cannot read (the KV's latest version): dead-lettered with its reason."""
         assert self.dead is not None
-        await self.dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
-                                   wait=False)
+        await self.dead.send_undecodable(source, value, exc)
         self.stats["dead_lettered"] += 1
 
     def _may_take(self) -> int:

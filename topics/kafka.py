@@ -362,6 +362,12 @@ class DeadLetters:
             value, detail = b"", f"{detail} (could not re-encode: {exc})"
         await self.send_bytes(source, value, reason=reason, detail=detail)
 
+    async def send_undecodable(self, source: str, value: bytes, exc: CodecError) -> None:
+        """Dead-letter a NATS message or KV value that did not decode, with the error's reason: an
+        ``OnBadMessage`` (topics.nats). Does not wait for the acknowledgement: NATS is at-most-once anyway, and a
+        flood of bad values must not stall the subscription's callback."""
+        await self.send_bytes(source, value, reason=exc.reason, detail=str(exc), wait=False)
+
     async def _publish(self, letter: DeadLetter, *, key: str, wait: bool = True) -> asyncio.Future | None:
         limit = self.producer.cfg.max_message_bytes - 4096
         if len(letter.value) > limit:  # keep the head of an oversized payload; say so
