@@ -146,13 +146,7 @@ class Lag:
 
 async def read_lag(config: Any) -> dict[str, int]:
     """Records each consuming group has not committed yet, per topic (prompts, episodes, batches)."""
-    from topics.admin import group_offsets, highwaters
+    from topics.admin import group_lag
 
-    names = config.names
-    out = {}
-    for topic, group in ((names.prompts, names.generators_group), (names.episodes, names.buffers_group),
-                         (names.batches, names.trainers_group)):
-        hw = await highwaters(config.kafka, topic)
-        committed = await group_offsets(config.kafka, group, topic)
-        out[topic] = sum(max(0, h - committed.get(p, 0)) for p, h in hw.items())
-    return out
+    groups = config.names.consumer_groups()
+    return {topic: await group_lag(config.kafka, group, topic) for topic, group in groups.items()}

@@ -9,15 +9,14 @@ from typing import Any
 import orjson
 
 from topics import codec
-from topics.admin import group_offsets, highwaters
+from topics.admin import group_lag, highwaters
 from topics.nats import PolicyStore, connect
 from topics.schemas import Membership, VersionAck
 
 
 async def kafka_status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any]:
     names = config.names
-    groups = {names.prompts: names.generators_group, names.episodes: names.buffers_group,
-              names.batches: names.trainers_group}
+    groups = names.consumer_groups()
     first = {t: await highwaters(config.kafka, t) for t in names.topics()}
     t0 = time.monotonic()
     await asyncio.sleep(interval_s)
@@ -30,9 +29,7 @@ async def kafka_status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any
                                "records_per_s": round((total - sum(first[topic].values())) / elapsed, 2)}
         group = groups.get(topic)
         if group:
-            committed = await group_offsets(config.kafka, group, topic)
-            lag = sum(hw - committed.get(p, 0) for p, hw in second[topic].items())
-            row.update({"group": group, "lag": lag})
+            row.update({"group": group, "lag": await group_lag(config.kafka, group, topic, second[topic])})
         out[topic] = row
     return out
 

@@ -164,3 +164,12 @@ async def group_offsets(cfg: KafkaConfig, group_id: str, topic: str) -> dict[int
     finally:
         with contextlib.suppress(Exception):
             await consumer.stop()
+
+
+async def group_lag(cfg: KafkaConfig, group_id: str, topic: str, hw: dict[int, int] | None = None) -> int:
+    """Records of ``topic`` that ``group_id`` has not committed yet, summed over its partitions. ``hw``: the
+    partitions' high-water marks when the caller has read them already (else they are read here)."""
+    if hw is None:
+        hw = await highwaters(cfg, topic)
+    committed = await group_offsets(cfg, group_id, topic)
+    return sum(max(0, h - committed.get(p, 0)) for p, h in hw.items())

@@ -122,6 +122,11 @@ class Names:
     def topics(self) -> list[str]:
         return [self.prompts, self.episodes, self.batches, self.sft, self.drops, self.dead_letter]
 
+    def consumer_groups(self) -> dict[str, str]:
+        """Each topic read through a consumer group, and that group (whose uncommitted records are the lag)."""
+        return {self.prompts: self.generators_group, self.episodes: self.buffers_group,
+                self.batches: self.trainers_group}
+
     def resolve(self, channel: Channel) -> str:
         if channel.kind == "kv":
             return self.policy_bucket
