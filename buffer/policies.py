@@ -305,26 +305,34 @@ def build_batch(
         old_logprobs[i, p:p + r] = ep.logprobs
         token_versions[i, p:p + r] = ep.token_versions
         prompt_lens[i] = p
-    advantages = np.concatenate([g.advantages for g in groups]).astype(np.float32)
-    rewards = np.array([e.reward for e in episodes], dtype=np.float32)
-    stats = _stats(groups, episodes, rewards, rows=b, width=t)
+    layout = {"input_ids": input_ids, "loss_mask": loss_mask, "old_logprobs": old_logprobs,
+              "token_versions": token_versions, "prompt_lens": prompt_lens}
+    return _batch(groups, episodes, lengths, layout, rows=b, width=t, packed=False, pad_token_id=pad_token_id,
+                  buffer_id=buffer_id, created_at=created_at)
+
+
+def _batch(groups: Sequence[ScoredGroup], episodes: list[Episode], lengths: list[int], layout: dict[str, np.ndarray],
+           *, rows: int, width: int, packed: bool, pad_token_id: int, buffer_id: str,
+           created_at: float | None) -> Batch:
+    """The ``Batch`` around a layout's ``[rows, width]`` arrays (and its ``prompt_lens``): the fields that do not
+    depend on the layout, and the stats (with ``rows`` when ``packed``)."""
+    rewards = np.asarray([e.reward for e in episodes], dtype=np.float32)
+    stats = _stats(groups, episodes, rewards, rows=rows, width=width)
+    if packed:
+        stats["rows"] = float(rows)
     ids = [e.episode_id for e in episodes]
     kwargs = {} if created_at is None else {"created_at": created_at}
     return Batch(
         batch_id=batch_id_of(ids),
         episode_ids=ids,
         group_ids=[g.group_id for g in groups for _ in g.episodes],
-        input_ids=input_ids,
-        loss_mask=loss_mask,
-        old_logprobs=old_logprobs,
-        token_versions=token_versions,
-        advantages=advantages,
+        advantages=np.concatenate([g.advantages for g in groups]).astype(np.float32),
         rewards=rewards,
-        prompt_lens=prompt_lens,
         seq_lens=np.asarray(lengths, dtype=np.int32),
         pad_token_id=pad_token_id,
         buffer_id=buffer_id,
         stats=stats,
+        **layout,
         **kwargs,
     )
 
@@ -392,26 +400,9 @@ def _packed(groups: Sequence[ScoredGroup], episodes: list[Episode], row_tokens: 
             seg_parts.append(minus[:t - used])
             pos_parts.append(np.zeros(t - used, dtype=np.int32))
     n_rows = len(rows)
-    rewards = np.asarray([e.reward for e in episodes], dtype=np.float32)
-    stats = {**_stats(groups, episodes, rewards, rows=n_rows, width=t), "rows": float(n_rows)}
-    ids = [e.episode_id for e in episodes]
-    kwargs = {} if created_at is None else {"created_at": created_at}
-    return Batch(
-        batch_id=batch_id_of(ids),
-        episode_ids=ids,
-        group_ids=[g.group_id for g in groups for _ in g.episodes],
-        input_ids=np.concatenate(ids_parts).reshape(n_rows, t),
-        loss_mask=np.concatenate(mask_parts).reshape(n_rows, t),
-        old_logprobs=np.concatenate(lp_parts).reshape(n_rows, t),
-        token_versions=np.concatenate(ver_parts).reshape(n_rows, t),
-        advantages=np.concatenate([g.advantages for g in groups]).astype(np.float32),
-        rewards=rewards,
-        prompt_lens=np.asarray(plens, dtype=np.int32),
-        seq_lens=np.asarray(lengths, dtype=np.int32),
-        segment_ids=np.concatenate(seg_parts).reshape(n_rows, t),
-        position_ids=np.concatenate(pos_parts).reshape(n_rows, t),
-        pad_token_id=pad_token_id,
-        buffer_id=buffer_id,
-        stats=stats,
-        **kwargs,
-    )
+    layout = {"input_ids": ids_parts, "loss_mask": mask_parts, "old_logprobs": lp_parts, "token_versions": ver_parts,
+              "segment_ids": seg_parts, "position_ids": pos_parts}
+    arrays = {name: np.concatenate(parts).reshape(n_rows, t) for name, parts in layout.items()}
+    arrays["prompt_lens"] = np.asarray(plens, dtype=np.int32)
+    return _batch(groups, episodes, lengths, arrays, rows=n_rows, width=t, packed=True, pad_token_id=pad_token_id,
+                  buffer_id=buffer_id, created_at=created_at)
