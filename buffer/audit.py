@@ -10,7 +10,10 @@ Everything is counted in distinct episode ids (delivery is at-least-once, so a r
 * ``batched``: distinct ids in any batch; ``batches``: distinct batch ids;
 * ``dropped``: by reason, distinct ids of the buffer's ``DropRecord``s (``duplicate`` counts duplicate records,
   which are not decisions about an episode), plus ``malformed``: dead letters whose source is ``episodes``;
-* ``lost``: produced ids neither batched nor dropped (for any reason but ``duplicate``);
+* ``pending``: produced ids neither batched nor dropped whose every record lies at or beyond the buffers' committed
+  offset of its partition: not consumed for good yet (held by a buffer when the run stopped, or never read); a
+  restarted buffer reads them again;
+* ``lost``: produced ids neither batched nor dropped (for any reason but ``duplicate``) nor pending;
 * ``batched_and_dropped``: ids with both outcomes; ``in_two_batches``: ids in two batches with different ids;
 * ``trained``: distinct ids of the batches named in the ledger; ``trained_twice``: ids trained in more than one
   optimizer step (two different batch ids holding it, or one batch id trained twice);
@@ -18,7 +21,7 @@ Everything is counted in distinct episode ids (delivery is at-least-once, so a r
   holding episodes it had trained, ``consumers/ledger.py``); ``refused_episodes``: distinct ids in them; and
   ``in_two_batches_refused``: of the ``in_two_batches`` ids, those whose other batches were all refused or never
   trained, i.e. trained at most once;
-* ``reconciles``: ``produced == batched + sum(dropped except duplicate, malformed)`` with nothing lost,
+* ``reconciles``: ``produced == batched + sum(dropped except duplicate, malformed) + pending`` with nothing lost,
   nothing both batched and dropped, and nothing decided that was never produced.
 """
 
@@ -34,7 +37,7 @@ import orjson
 from consumers.ledger import ALREADY_TRAINED
 from streamforge.config import RunConfig
 from topics import codec
-from topics.admin import read_topic
+from topics.admin import group_offsets, read_topic
 from topics.errors import CodecError
 from topics.schemas import Batch, DeadLetter, DropRecord, Episode
 
@@ -65,10 +68,12 @@ def reconcile(
     malformed: int = 0,
     ledger: list[dict[str, Any]] | None = None,
     refused: Iterable[tuple[str, list[str]]] = (),
+    uncommitted: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The audit as a pure function: ``episode_ids`` per record (None = undecodable), ``batches`` as
     ``(batch_id, episode_ids)``, ``drops`` as ``(reason, episode_ids)``, the ledger's lines, and the batches the
-    trainer refused as already trained, as ``(batch_id, episode_ids)``."""
+    trainer refused as already trained, as ``(batch_id, episode_ids)``; ``uncommitted``: the ids all of whose
+    records lie at or beyond the buffers' committed offsets."""
     records = 0
     produced: set[str] = set()
     undecodable = 0
@@ -100,7 +105,8 @@ def reconcile(
     dropped["duplicate"] = duplicate_ids
     dropped["malformed"] = malformed
     decided = batched | dropped_ids
-    lost = produced - decided
+    pending = (produced - decided) & set(uncommitted)
+    lost = produced - decided - pending
     unknown = decided - produced
     both = batched & dropped_ids
     in_two = {e for e, b in batches_of.items() if len(b) > 1}
@@ -134,6 +140,7 @@ def reconcile(
         "batches": len(batch_members),
         "batch_records": batch_records,
         "dropped": dropped,
+        "pending": len(pending),
         "lost": len(lost),
         "batched_and_dropped": len(both),
         "in_two_batches": len(in_two),
@@ -146,7 +153,7 @@ def reconcile(
         "refused_batches": len(refused_members),
         "refused_episodes": len(refused_ids),
         "in_two_batches_refused": len(in_two_refused),
-        "reconciles": not lost and not both and not unknown and decided_total == len(produced),
+        "reconciles": not lost and not both and not unknown and decided_total + len(pending) == len(produced),
         "samples": {
             "lost": sorted(lost)[:SAMPLE],
             "in_two_batches": sorted(in_two)[:SAMPLE],
@@ -160,6 +167,12 @@ async def run_audit(config: RunConfig) -> dict[str, Any]:
     """Read the run's topics and ledger and reconcile them (see the module docstring for every key)."""
     names, kafka = config.names, config.kafka
     episodes = await read_topic(kafka, names.episodes, expect=Episode)
+    committed = await group_offsets(kafka, names.buffers_group, names.episodes)
+    below: set[str] = set()  # ids with a record below the committed offset: consumed for good
+    beyond: set[str] = set()
+    for r in episodes:
+        if r.value is not None:
+            (beyond if r.offset >= committed.get(r.partition, 0) else below).add(r.value.episode_id)
     batches = await read_topic(kafka, names.batches, expect=Batch)
     drops = await read_topic(kafka, names.drops, expect=DropRecord)
     dead = await read_topic(kafka, names.dead_letter, expect=DeadLetter)
@@ -179,6 +192,7 @@ async def run_audit(config: RunConfig) -> dict[str, Any]:
         malformed=malformed,
         ledger=read_ledger(config.run_dir / "trainer" / "ledger.jsonl"),
         refused=refused,
+        uncommitted=beyond - below,
     )
     result["undecodable_outputs"] = sum(1 for r in (*batches, *drops) if r.value is None)
     result["prefix"] = names.prefix

@@ -27,6 +27,15 @@ def test_lost_and_conflicts_are_reported():
     assert out["ledger_found"] is False and out["trained"] == 0
 
 
+def test_undecided_episodes_beyond_the_committed_offset_are_pending_not_lost():
+    """A run stopped with episodes still held by a buffer (or never read) reconciles: a restart reads them again."""
+    eps = ["a/0", "a/1", "b/0", "b/1", "c/0"]
+    out = reconcile(eps, [("B1", ["a/0", "a/1"])], [], uncommitted=["a/1", "b/0", "b/1"])
+    assert out["pending"] == 2 and out["lost"] == 1 and out["samples"]["lost"] == ["c/0"] and not out["reconciles"]
+    out = reconcile(eps[:4], [("B1", ["a/0", "a/1"])], [], uncommitted=["b/0", "b/1"])
+    assert out["pending"] == 2 and out["lost"] == 0 and out["reconciles"]
+
+
 def test_trained_twice_counts_only_batches_the_trainer_accepted():
     eps = ["a/0", "a/1", "b/0", "b/1"]
     batches = [("B1", ["a/0", "a/1"]), ("B2", ["a/0", "a/1", "b/0", "b/1"]), ("B1", ["a/1", "a/0"])]
