@@ -39,6 +39,11 @@ Rules:
    The decided-id memory is an LRU window of ``dedup_window`` ids.
 10. ``revoke(partitions)`` forgets everything held for those partitions (their new owner replays them).
 
+11. What the policy achieves: the raw rewards of every group scored since the partition's previous batch (kept,
+    zero-variance, overlong; not stale or fenced, whose weights are old) are averaged into the next batch's
+    ``stats["rollout/reward_mean"]`` and ``stats["rollout/episodes"]``. With zero-variance filtering the kept
+    episodes' own mean is biased towards 0.5; the trainer reports this one as ``reward_mean``.
+
 ``state_dict()`` holds what Kafka cannot replay: the decided ids and groups, the positions and the counters.
 Held episodes are not in it: they are beyond the committed offset and come back by replay.
 """
@@ -55,6 +60,7 @@ from buffer.policies import Reason, ScoredGroup, build_batch, is_fenced, is_stal
 from topics.schemas import Batch, Episode
 
 BATCHED = "batched"
+_OLD_POLICY = (Reason.STALE, Reason.FENCED)  # drops that say nothing of the current policy's reward
 
 
 @dataclass(slots=True)
@@ -108,6 +114,8 @@ class _Partition:
     ready: list[ScoredGroup] = field(default_factory=list)  # scored groups waiting for a batch
     ready_since: float = 0.0
     ready_held: dict[str, list[Held]] = field(default_factory=dict)  # group id -> its held records
+    rollout_reward: float = 0.0  # raw rewards of the rollouts scored since the last batch (rule 11)
+    rollouts: int = 0
 
 
 class BufferState:
@@ -340,9 +348,13 @@ class BufferState:
             detail = f"latest version {latest_version}" if reason == Reason.STALE else ""
             self._outbox.append(self._drop([group.members[e] for e in ids], reason, group.group_id, detail))
         self._remember_group(group.group_id, BATCHED if verdict.kept else next(iter(verdict.dropped), "dropped"))
+        part = self._part(group.partition)
+        rolled = [group.members[e].episode for r, ids in verdict.dropped.items() if r not in _OLD_POLICY for e in ids]
+        rolled += verdict.kept.episodes if verdict.kept is not None else []
+        part.rollout_reward += sum(e.reward for e in rolled)
+        part.rollouts += len(rolled)
         if verdict.kept is None:
             return
-        part = self._part(group.partition)
         if not part.ready:
             part.ready_since = now
         part.ready.append(verdict.kept)
@@ -376,6 +388,10 @@ class BufferState:
                             buffer_id=self.buffer_id,
                             pack_row_tokens=self.cfg.pack_row_tokens if self.cfg.batching == "pack" else None)
         held = [h for g in groups for h in part.ready_held.pop(g.group_id)]
+        if part.rollouts:  # rule 11
+            batch.stats["rollout/reward_mean"] = part.rollout_reward / part.rollouts
+            batch.stats["rollout/episodes"] = float(part.rollouts)
+            part.rollout_reward, part.rollouts = 0.0, 0
         return Decision(
             kind="batch", partition=partition, episode_ids=batch.episode_ids, offsets=[h.offset for h in held],
             group_ids=[g.group_id for g in groups], batch=batch,

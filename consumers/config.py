@@ -24,6 +24,10 @@ class TrainerConfig:
     max_steps: int = 0  # 0 = run as long as batches arrive
     reward_target: float = 0.0  # >0: stop when the running mean reward reaches it
     publish_every: int = 1  # publish a PolicyVersion every k steps
+    # a publication falling due while the previous round still waits for generators' acks: "wait" for it (the
+    # trainer stalls on the slowest swap) or "skip" (train on; those steps join the next version, published at
+    # the first step after the round ended)
+    publish_busy: str = "wait"
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     export_hf: bool = True  # an HF dir inside every checkpoint and at <run_dir>/hf at the end
@@ -46,6 +50,8 @@ class TrainerConfig:
             raise ConfigError("trainer.max_steps", "must be >= 0")
         if self.publish_every < 1:
             raise ConfigError("trainer.publish_every", "must be at least 1")
+        if self.publish_busy not in ("wait", "skip"):
+            raise ConfigError("trainer.publish_busy", "must be 'wait' or 'skip'")
         if self.checkpoint_every < 1:
             raise ConfigError("trainer.checkpoint_every", "must be at least 1")
         if self.keep_checkpoints < 1:

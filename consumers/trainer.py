@@ -4,8 +4,10 @@ Per step (rank 0): take the next record of the topic (``source.py``: explicit of
 undecodable records), drop it if its ``batch_id`` was already trained (redelivery), broadcast it to the other ranks
 (``engine.py``), step (loss, backward, clip, AdamW, schedule), append the ledger line and the metrics row, then
 every ``publish_every`` steps hand the weights to the ``WeightPublisher`` (new ``PolicyVersion``; the round
-overlaps the next step, at most one round in flight) and every ``checkpoint_every`` steps write a checkpoint
-(model, optimizer, step, version, offsets, recent batch ids, HF export).
+overlaps the next step, at most one round in flight: with ``publish_busy: skip`` a publication due while a round
+is in flight is put off until it ended, so the trainer never waits for generators' swaps) and every
+``checkpoint_every`` steps write a checkpoint (model, optimizer, step, version, offsets, recent batch ids, HF
+export).
 
 Restart: the newest checkpoint is loaded, the ledger and metrics lose their lines after its step, and reading
 resumes at its offsets: the batches trained after the checkpoint are trained again, exactly once in the ledger.
@@ -82,6 +84,7 @@ class TrainerRole(Service):
         self._idle.set()
         self._quit_sent = False
         self._round: asyncio.Task | None = None
+        self._published_step = 0  # the step of the latest publication (or of the checkpoint resumed from)
         self._t0 = time.time()
         self.source = None
         self.producer: Producer | None = None
@@ -116,7 +119,7 @@ class TrainerRole(Service):
         if meta is not None:
             self.step, self.version, offsets = meta.step, meta.policy_version, dict(meta.offsets)
             self.recent.update((b, None) for b in meta.recent_batch_ids)
-            self._checkpointed_step = meta.step
+            self._checkpointed_step = self._published_step = meta.step
             log.info("trainer resumed from step %d (version %d) at offsets %s", self.step, self.version, offsets)
         if not self.d.is_main:
             return
@@ -148,12 +151,7 @@ class TrainerRole(Service):
             self.nc = await connect(self.config.nats, name="trainer")
             self.publisher = WeightPublisher(self.config.weightsync, nc=self.nc, names=self.names,
                                              run_dir=self.run_dir, trainer_id="trainer")
-
-            async def dead_letter(source: str, value: bytes, exc: Exception) -> None:
-                await dead.send_bytes(source, value, reason=getattr(exc, "reason", "malformed"), detail=str(exc),
-                                      wait=False)  # NATS is at-most-once anyway: do not stall its callback
-
-            self.publisher.on_bad = dead_letter  # undecodable membership and ack messages
+            self.publisher.on_bad = dead.send_undecodable  # undecodable membership and ack messages
             await self.publisher.start()
             if self.publisher.latest_version > self.version:
                 log.info("policy versions continue after the store's %d", self.publisher.latest_version)
@@ -237,6 +235,12 @@ class TrainerRole(Service):
                 self._finish(done)
                 break
             batch, records = await self._next_batch()
+            if batch is None and not self.stopping and self._owed() and self._publish_due():
+                self._idle.clear()  # a publication put off while a round was in flight: the round ended
+                try:
+                    await self._publish()
+                finally:
+                    self._idle.set()
             if batch is None or self.stopping:
                 continue  # records stay unaccounted: a restart reads them again
             if batch.batch_id in self.recent:
@@ -289,8 +293,8 @@ class TrainerRole(Service):
         return ""
 
     async def _next_batch(self) -> tuple[Batch | None, list[Received]]:
-        if self.cfg.mode == "rl":
-            rec = await self.source.next(self.cfg.poll_timeout_ms)
+        if self.cfg.mode == "rl":  # a publication owed is checked for every 50 ms (a buffer may wait for it)
+            rec = await self.source.next(50 if self._owed() else self.cfg.poll_timeout_ms)
             return (rec.value, [rec]) if rec is not None else (None, [])
         records: list[Received] = []
         while len(records) < self.cfg.sft_batch_size and not self.stopping:
@@ -317,12 +321,15 @@ class TrainerRole(Service):
                            episode_ids=batch.episode_ids)
         self.trained_episodes.add(self.step, batch.episode_ids)
         self._since_publish.append(batch.batch_id)
-        reward = float(np.mean(batch.rewards)) if len(batch.rewards) else 0.0
+        trained_reward = float(np.mean(batch.rewards)) if len(batch.rewards) else 0.0
+        rollouts = batch.stats.get("rollout/episodes", 0.0)  # every scored rollout, zero-variance ones included
+        reward = batch.stats["rollout/reward_mean"] if rollouts else trained_reward
         if self.cfg.mode == "rl":
             self._rewards.append(reward)
         elapsed = time.perf_counter() - t0
         row = {"step": self.step, "policy_version": self.version, "time_s": round(time.time() - self._t0, 4),
-               "time": time.time(), "reward_mean": reward, "loss": metrics.get("loss", 0.0),
+               "time": time.time(), "reward_mean": reward, "reward_trained_mean": trained_reward,
+               "rollout_episodes": rollouts, "loss": metrics.get("loss", 0.0),
                "staleness_mean": staleness(batch, self.version), "episodes": len(batch.episode_ids),
                "tokens_per_s": metrics.get("tokens", 0.0) / max(elapsed, 1e-9), "batch_id": batch.batch_id,
                "duplicates": self.duplicates, "refused_batches": self.refused,
@@ -330,7 +337,7 @@ class TrainerRole(Service):
                **self._buffer_drops(batch)}
         self.metrics_out.append(row)
         _record(row, self.step)
-        if self.step % self.cfg.publish_every == 0:
+        if self._publish_due():
             await self._publish()
         if self.step % self.cfg.checkpoint_every == 0:
             await self._checkpoint()
@@ -346,7 +353,20 @@ class TrainerRole(Service):
                 total[f"buffer/dropped/{reason}"] = total.get(f"buffer/dropped/{reason}", 0.0) + n
         return total
 
+    def _owed(self) -> bool:
+        """``publish_busy: skip`` and ``publish_every`` steps trained since the last publication."""
+        return self.cfg.publish_busy == "skip" and self.step - self._published_step >= self.cfg.publish_every
+
+    def _publish_due(self) -> bool:
+        """Every ``publish_every`` steps; with ``publish_busy: skip``, not while the previous round is in flight:
+        the steps since the last version then join the next one, published after the next step or, when no batch
+        comes (a buffer holding its batches until the trainer's version moves), as soon as the round ended."""
+        if self.cfg.publish_busy == "wait":
+            return self.step % self.cfg.publish_every == 0
+        return self._owed() and (self._round is None or self._round.done())
+
     async def _publish(self) -> None:
+        self._published_step = self.step
         if self.publisher is None:
             self.version += 1
             self._since_publish = []

@@ -235,3 +235,19 @@ def test_fencing_applies_at_scoring_and_to_waiting_groups():
     # b waits for the trainer; then y is fenced too: its waiting group is re-checked
     ds = s.take_decisions(now=1, latest_version=2, fenced={"x": 1, "y": 1}, max_batches=0)
     assert [(d.reason, d.episode_ids) for d in ds] == [(Reason.FENCED, ["b/0", "b/1"])]
+
+
+def test_rollout_reward_counts_zero_variance_groups_not_stale_ones():
+    """Rule 11: the next batch carries the mean raw reward of every rollout scored since the previous one."""
+    s = BufferState(cfg(max_policy_lag=1, groups_per_batch=1))
+    feed(s, [ep("solved", 0, reward=1.0, version=3), ep("solved", 1, reward=1.0, version=3),
+             ep("old", 0, reward=0.0, version=1), ep("old", 1, reward=0.0, version=1),
+             ep("mixed", 0, reward=0.0, version=3), ep("mixed", 1, reward=1.0, version=3)])
+    ds = s.take_decisions(now=0, latest_version=3)
+    (b,) = [d.batch for d in ds if d.kind == "batch"]
+    assert b.stats["rollout/episodes"] == 4.0 and b.stats["rollout/reward_mean"] == 0.75
+    assert float(b.rewards.mean()) == 0.5  # the trained episodes alone: biased by the filter
+    ack_all(s, ds)
+    feed(s, [ep("next", 0, reward=0.0, version=3), ep("next", 1, reward=1.0, version=3)], start=6)
+    (d,) = s.take_decisions(now=1, latest_version=3)
+    assert d.batch.stats["rollout/episodes"] == 2.0 and d.batch.stats["rollout/reward_mean"] == 0.5  # reset
