@@ -7,8 +7,14 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
 ``null`` for its time (and the reward it reached), and the ratios that need it are ``null``.
 
 * TRL: ``trl.GRPOTrainer`` (install the ``bench`` extra), generation with transformers on CPU, ``beta=0``.
-* streamforge sync: ``streamforge.train`` with ``max_policy_lag=0`` (generators wait for each version).
-* streamforge async: the same with ``max_policy_lag=1`` (generation overlaps training).
+* streamforge sync: ``streamforge.train`` with ``max_policy_lag=0`` for generators and buffer (every batch from the
+  latest weights) and ``trainer.publish_busy: wait`` (the trainer waits for each swap).
+* streamforge async: the demo's settings: generator lag 1, buffer lag 2 with at most 2 batches ahead, and
+  ``publish_busy: skip`` (generation and swaps overlap training).
+
+Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
+the comparison with TRL is of the two systems as configured, the one with sync of asynchrony alone. Its
+``reward`` and streamforge's ``reward_mean`` are both the mean over every sampled completion.
 
 Variants: ``--task addmod10 --max-tokens 2`` (default) and a generation-heavy one, e.g. ``--task reverse
 --max-tokens 8``. Last line: ``{"bench": "e2e", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
@@ -91,12 +97,16 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     from streamforge.plots import read_metrics
 
     run_dir = out / f"sf-lag{lag}"
+    extra = {"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
+             "trainer.checkpoint_every": 1000, "buffer.filter_zero_variance": args.filter_zero_variance}
+    if lag == 0:  # sync: every batch from the latest weights, and the trainer waits for each swap
+        extra.update({"buffer.max_policy_lag": 0, "trainer.publish_busy": "wait"})
+    else:  # async, as the demo: fresh batches, and the trainer never waits for a swap
+        extra.update({"buffer.max_policy_lag": 2, "buffer.max_batches_ahead": 2, "trainer.publish_busy": "skip"})
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
                    num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
                    max_steps=args.max_steps, reward_target=args.target, max_policy_lag=lag, seed=args.seed,
-                   extra={"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
-                          "buffer.filter_zero_variance": False, "trainer.checkpoint_every": 1000,
-                          "generator.groups_per_version": args.prompts if lag == 0 else 0})
+                   extra=extra)
     deadline_rows: list[tuple[float, float]] = []
     result = train(cfg, reward_functions=["toy"], budget_s=args.budget_s)
     for row in read_metrics(run_dir / "metrics.jsonl"):
@@ -119,6 +129,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=900.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
+    p.add_argument("--filter-zero-variance", type=int, default=1,
+                   help="streamforge (sync and async alike) drops zero-variance groups, as the demo (TRL does not)")
     args = p.parse_args()
 
     from consumers.warmstart import warm_start
