@@ -7,8 +7,9 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
 ``null`` for its time (and the reward it reached), and the ratios that need it are ``null``.
 
 * TRL: ``trl.GRPOTrainer`` (install the ``bench`` extra), generation with transformers on CPU, ``beta=0``.
-* streamforge sync: ``streamforge.train`` with ``max_policy_lag=0`` for generators and buffer (every batch from the
-  latest weights) and ``trainer.publish_busy: wait`` (the trainer waits for each swap).
+* streamforge sync: ``streamforge.train`` with ``max_policy_lag=0`` for generators and buffer and at most one
+  batch ahead of the trainer (every batch from the latest weights), and ``trainer.publish_busy: wait`` (the
+  trainer waits for each swap).
 * streamforge async: the demo's settings: generator lag 1, buffer lag 2 with at most 2 batches ahead, and
   ``publish_busy: skip`` (generation and swaps overlap training).
 
@@ -100,7 +101,7 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     extra = {"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
              "trainer.checkpoint_every": 1000, "buffer.filter_zero_variance": args.filter_zero_variance}
     if lag == 0:  # sync: every batch from the latest weights, and the trainer waits for each swap
-        extra.update({"buffer.max_policy_lag": 0, "trainer.publish_busy": "wait"})
+        extra.update({"buffer.max_policy_lag": 0, "buffer.max_batches_ahead": 1, "trainer.publish_busy": "wait"})
     else:  # async, as the demo: fresh batches, and the trainer never waits for a swap
         extra.update({"buffer.max_policy_lag": 2, "buffer.max_batches_ahead": 2, "trainer.publish_busy": "skip"})
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
