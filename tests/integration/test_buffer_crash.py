@@ -127,7 +127,7 @@ async def wait_all_decided(cfg, expected: int, timeout_s: float, procs) -> dict:
     deadline = time.monotonic() + timeout_s
     while True:
         audit = await run_audit(cfg)
-        if audit["produced"] == expected and audit["lost"] == 0:
+        if audit["produced"] == expected and audit["lost"] == 0 and audit["pending"] == 0:
             return audit
         for p in procs:
             if p.proc.poll() is not None:
