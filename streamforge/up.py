@@ -8,6 +8,11 @@ cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every
 ``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
 why (exit code and the tail of its log) and stops the rest with exit code 1, or restarts it when
 ``up.restart`` is set. First SIGINT/SIGTERM: graceful stop of everything; second: kill.
+
+Several generators on one CPU host: vLLM's CPU engine binds its OpenMP threads to the same cores in every process
+(core 0 on a 2-core machine), so N engines would share one core while the others idle. Unless
+``VLLM_CPU_OMP_THREADS_BIND`` is already set, ``up`` gives each generator its own slice of the cores
+(``cpu_binds``); GPU builds of vLLM ignore the variable.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started_at: float = field(default_factory=time.time)
+    env: dict[str, str] = field(default_factory=dict)  # added to (or replacing) this process's environment
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        with open(self.log_path, "ab") as out:  # the child holds its own copy of the descriptor
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, **self.env} if self.env else None)
         self.started_at = time.time()
 
     def poll(self) -> int | None:
@@ -67,6 +73,20 @@ class Child:
         except OSError:
             return ""
         return "\n".join(lines[-n:])
+
+
+def cpu_binds(generators: int, *, cpus: int | None = None, environ: Any = None) -> list[str | None]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for each of ``generators`` generators on this host (see the module docstring):
+    ``None`` (vLLM's own choice) for a single generator or when the user set the variable; otherwise contiguous,
+    disjoint core ranges (``"0-3"``, ``"4-7"``), or one core each, shared round-robin, when cores are fewer."""
+    environ = os.environ if environ is None else environ
+    cpus = cpus or os.cpu_count() or 1
+    if generators <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in environ:
+        return [None] * max(generators, 0)
+    if cpus < generators:
+        return [str(i % cpus) for i in range(generators)]
+    width = cpus // generators
+    return [str(i * width) if width == 1 else f"{i * width}-{(i + 1) * width - 1}" for i in range(generators)]
 
 
 def child_overrides(config: Any, *, kafka: str, nats: str, model_path: str) -> list[str]:
@@ -223,8 +243,11 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         children = [trainer, child("feeder", "feeder")]
         children += [child(f"buffer-{i}", "buffer", [f"--buffer.buffer_id=buffer-{i}"])
                      for i in range(config.up.buffers)]
-        children += [child(f"generator-{i}", "generator", [f"--generator.generator_id=generator-{i}"])
-                     for i in range(config.up.generators)]
+        for i, bind in enumerate(cpu_binds(config.up.generators)):
+            gen = child(f"generator-{i}", "generator", [f"--generator.generator_id=generator-{i}"])
+            if bind is not None:
+                gen.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            children.append(gen)
         for c in children:
             c.start()
         print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
