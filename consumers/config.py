@@ -40,6 +40,9 @@ class TrainerConfig:
     tp: int = 1  # tensor-parallel degree (divides world_size); the other world_size / tp ranks are data-parallel
     dtype: str = "float32"
     seed: int = 0
+    # torch's intra-op threads in each rank (0 = torch's default, one per core). On a host whose cores the
+    # generators' vLLM engines also use, fewer threads avoid OpenMP barriers waiting on a preempted thread.
+    threads: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("rl", "sft"):
@@ -72,6 +75,8 @@ class TrainerConfig:
             raise ConfigError("trainer.world_size", "must be at least 1")
         if self.tp < 1 or self.world_size % self.tp:
             raise ConfigError("trainer.tp", f"must be at least 1 and divide trainer.world_size {self.world_size}")
+        if self.threads < 0:
+            raise ConfigError("trainer.threads", "must be >= 0 (0 = torch's default)")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError("trainer.dtype", "must be 'float32' or 'bfloat16'")
         if self.lr_schedule not in ("constant", "cosine", "linear"):

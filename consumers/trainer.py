@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 from opentelemetry import trace
 
 from consumers.checkpoint import CheckpointMeta
@@ -103,6 +104,8 @@ class TrainerRole(Service):
 
     async def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.threads:
+            torch.set_num_threads(self.cfg.threads)
         self.d = init_distributed()
         if self.cfg.world_size != self.d.world_size:
             raise ConfigError("trainer.world_size", f"is {self.cfg.world_size} but this process is one of "

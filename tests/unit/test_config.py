@@ -36,6 +36,7 @@ def test_yaml_env_and_overrides_compose(tmp_path: Path) -> None:
         (["--nosection.x=1"], "nosection"),
         (["--trainer.lr=fast"], "trainer.lr"),
         (["--trainer.lr=-1"], "trainer.lr"),
+        (["--trainer.threads=-1"], "trainer.threads"),
         (["--kafka.bootstrap=nohostport"], "kafka.bootstrap"),
         (["--generator.prompt_source=web"], "generator.prompt_source"),
         (["trainer.lr"], "trainer.lr"),
