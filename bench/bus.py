@@ -10,7 +10,8 @@ One run, one embedded broker (Tansu + nats-server, started here), two measuremen
           this process reads the ``batches`` topic. Episodes/s = N / (time from the first send until every
           episode is in a batch this process has read).
 
-Children are started and ready (partitions assigned) before the clock starts. Last line:
+Children are started and ready (partitions assigned) before the clock starts. Every consumer here, raw or not,
+waits at most ``kafka.fetch_max_wait_ms`` per fetch (Tansu answers a fetch only when that runs out). Last line:
 ``{"bench": "bus", "episodes_per_s_vs_raw": X}`` (goal: >= 0.8).
 
 Runs alternate (raw, buffer, raw, buffer...) on fresh topics; the reported ratio is the median over the
@@ -97,8 +98,9 @@ async def produce(cfg, topic: str, payloads: list[tuple[str, bytes]]) -> float:
 
 # -- raw consumer child -------------------------------------------------------------------------------------
 
-async def raw_consumer(bootstrap: str, topic: str, n: int) -> None:
+async def raw_consumer(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: int) -> None:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                fetch_max_wait_ms=fetch_max_wait_ms,
                                 fetch_max_bytes=52428800, max_partition_fetch_bytes=16 * 1024 * 1024)
     await consumer.start()
     try:
@@ -124,6 +126,7 @@ async def measure_raw(cfg, payloads: list[tuple[str, bytes]], meter: CpuMeter) -
     topic = cfg.names.episodes
     child = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--raw-consumer", cfg.kafka.bootstrap, topic, str(len(payloads)),
+        str(cfg.kafka.fetch_max_wait_ms),
         stdout=asyncio.subprocess.PIPE, cwd=ROOT,
     )
     assert child.stdout is not None
@@ -160,6 +163,7 @@ async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path,
         await wait_for_log(log_path, r"partitions assigned \[0, 1, 2, 3\]", proc, 90)
         reader = AIOKafkaConsumer(**client_kwargs(cfg.kafka, client_id="bench-batches"), group_id=None,
                                   enable_auto_commit=False, fetch_max_bytes=52428800,
+                                  fetch_max_wait_ms=cfg.kafka.fetch_max_wait_ms,
                                   max_partition_fetch_bytes=cfg.kafka.max_message_bytes + 65536)
         await reader.start()
         try:
@@ -228,7 +232,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--raw-consumer":
-        asyncio.run(raw_consumer(sys.argv[2], sys.argv[3], int(sys.argv[4])))
+        asyncio.run(raw_consumer(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=16000)

@@ -227,6 +227,7 @@ class Consumer:
             session_timeout_ms=cfg.session_timeout_ms,
             heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             max_poll_interval_ms=cfg.max_poll_interval_ms,
+            fetch_max_wait_ms=cfg.fetch_max_wait_ms,
         )
         self._started = False
         self._stopped = False

@@ -37,6 +37,7 @@ def test_yaml_env_and_overrides_compose(tmp_path: Path) -> None:
         (["--trainer.lr=fast"], "trainer.lr"),
         (["--trainer.lr=-1"], "trainer.lr"),
         (["--trainer.threads=-1"], "trainer.threads"),
+        (["--kafka.fetch_max_wait_ms=0"], "kafka.fetch_max_wait_ms"),
         (["--kafka.bootstrap=nohostport"], "kafka.bootstrap"),
         (["--generator.prompt_source=web"], "generator.prompt_source"),
         (["trainer.lr"], "trainer.lr"),
