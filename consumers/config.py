@@ -40,8 +40,8 @@ class TrainerConfig:
     tp: int = 1  # tensor-parallel degree (divides world_size); the other world_size / tp ranks are data-parallel
     dtype: str = "float32"
     seed: int = 0
-    # torch's intra-op threads in each rank (0 = torch's default, one per core). On a host whose cores the
-    # generators' vLLM engines also use, fewer threads avoid OpenMP barriers waiting on a preempted thread.
+    # torch's intra-op threads in each rank (0 = torch's default, one per core); for several ranks or roles on one
+    # CPU host. The demo keeps 0: there 1 thread made the median step slower (README, "The demo").
     threads: int = 0
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,18 +76,27 @@ class Child:
         return "\n".join(lines[-n:])
 
 
-def cpu_binds(generators: int, *, cpus: int | None = None, environ: Any = None) -> list[str | None]:
+def cpu_binds(generators: int, *, cpus: int | Sequence[int] | None = None,
+              environ: Any = None) -> list[str | None]:
     """``VLLM_CPU_OMP_THREADS_BIND`` for each of ``generators`` generators on this host (see the module docstring):
-    ``None`` (vLLM's own choice) for a single generator or when the user set the variable; otherwise contiguous,
-    disjoint core ranges (``"0-3"``, ``"4-7"``), or one core each, shared round-robin, when cores are fewer."""
+    ``None`` (vLLM's own choice) for a single generator or when the user set the variable; otherwise disjoint
+    slices of the cores this process may run on (``"0-3"``, ``"4-7"``), or one core each, shared round-robin,
+    when cores are fewer. ``cpus``: the core ids (or a count of ids from 0); default: this process's affinity."""
     environ = os.environ if environ is None else environ
-    cpus = cpus or os.cpu_count() or 1
     if generators <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in environ:
         return [None] * max(generators, 0)
-    if cpus < generators:
-        return [str(i % cpus) for i in range(generators)]
-    width = cpus // generators
-    return [str(i * width) if width == 1 else f"{i * width}-{(i + 1) * width - 1}" for i in range(generators)]
+    ids = sorted(os.sched_getaffinity(0)) if cpus is None else list(range(cpus) if isinstance(cpus, int) else cpus)
+    if len(ids) < generators:
+        return [str(ids[i % len(ids)]) for i in range(generators)]
+    width = len(ids) // generators
+    return [_id_list(ids[i * width:(i + 1) * width]) for i in range(generators)]
+
+
+def _id_list(ids: list[int]) -> str:
+    """vLLM's CPU id list syntax: ``"4-7"`` for a contiguous run, else ``"1,3,5"``."""
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return str(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}"
+    return ",".join(map(str, ids))
 
 
 def child_overrides(config: Any, *, kafka: str, nats: str, model_path: str) -> list[str]:

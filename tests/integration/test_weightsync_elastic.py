@@ -69,7 +69,7 @@ async def test_join_mid_run_sigkill_during_transfer_and_leave(run_config, tiny_d
         stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         # vLLM binds each CPU engine's OpenMP threads to core 0 by default: g1 sampling without pause there starved
         # g0's weight load (a CI run saw g0 miss a 20 s ack deadline). g1 gets the last core, as a second host would.
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str((os.cpu_count() or 2) - 1)})
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(max(os.sched_getaffinity(0)))})
     engine = Engine(str(tiny_dir), max_model_len=128, extra_args=vllm_args(cfg))
     nc_t = await connect(run_config.nats, name="trainer")
     nc_g = await connect(run_config.nats, name="g0")
