@@ -9,13 +9,17 @@ Format (documented so any msgpack reader can decode it):
 
 ``encode`` writes one canonical layout of that map: ``schema`` and ``v`` first, then the tensor fields in schema
 order (dims as uint32, ``data`` as bin32), then the plain fields. It assembles the bytes itself, so tensor bytes
-are copied once, straight into the message. ``decode`` reads the canonical layout with a small parser: tensors
-become read-only ``np.frombuffer`` views of the message bytes (zero copy; a decoded message keeps the bytes it came
-from alive, and a view need not be aligned to its dtype, which numpy and torch handle; ``np.array(view)`` copies),
-and one ``msgpack.unpackb`` reads the plain fields. Any other valid msgpack layout of the same map
-(keys in another order, other int or bin widths, extra keys) decodes through the generic path, ``msgpack.unpackb``
-plus ``from_wire``, with exactly the same checks. A ``bytearray`` or ``memoryview`` input is copied to ``bytes``
-first, so a caller may reuse its buffer after ``decode`` returns.
+are copied once, straight into the message; the plain fields are packed by msgspec's msgpack encoder (the same
+bytes msgpack-python writes, at a third of the cost). ``decode`` reads a message whose head is canonical with one
+typed msgspec decode into a per-schema wire struct (every field's type, each tensor's dtype, rank and dims checked
+in C): tensors become read-only ``np.frombuffer`` views of the message bytes (zero copy; a decoded message keeps
+the bytes it came from alive, and a view need not be aligned to its dtype, which numpy and torch handle;
+``np.array(view)`` copies). Whatever that typed decode refuses, and any message whose head is not canonical, goes
+through the generic path, ``msgpack.unpackb`` plus ``from_wire``, which gives the verdict: the typed decode only
+ever accepts what the generic path decodes to the same message (a fuzz test holds them to it), so keys in another
+order, other int or bin widths, an int for a float, duplicate keys (the last wins) and extra keys all decode as
+``msgpack.unpackb`` sees them. A ``bytearray`` or ``memoryview`` input is copied to ``bytes`` first, so a caller
+may reuse its buffer after ``decode`` returns.
 
 ``decode`` never raises anything but a ``CodecError`` subclass, whatever the input: ``MalformedMessage``,
 ``UnknownSchema``, ``MessageTooLarge`` or ``InvalidMessage`` (each with ``retriable = False`` and a ``reason``
@@ -25,18 +29,16 @@ used on the dead-letter topic).
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 import struct
-import threading
 import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import msgpack
+import msgspec
 import numpy as np
 
-from topics import schemas
+from topics import codegen, schemas
 from topics.errors import CodecError, InvalidMessage, MalformedMessage, MessageTooLarge, UnknownSchema
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -106,7 +108,7 @@ def _map_header(n: int) -> bytes:
 class _TensorLayout:
     """One tensor entry in the canonical layout: ``prefix`` (the key, the tensor map's header, the dtype entry, the
     "shape" key, the array header and the first dim's uint32 tag), the dims (tagged uint32), the "data" key with a
-    bin32 header and length, then the raw bytes. ``head`` packs and reads all but the raw bytes in one call."""
+    bin32 header and length, then the raw bytes. ``head`` packs all but the raw bytes in one call."""
 
     spec: _FieldSpec
     prefix: bytes
@@ -118,66 +120,86 @@ class _TensorLayout:
             raise TypeError(f"tensor field {spec.name!r}: rank {spec.ndim} > 15")
         prefix = (msgpack.packb(spec.name) + b"\x83\xa5dtype" + msgpack.packb(spec.dtype) + b"\xa5shape"
                   + bytes((0x90 | spec.ndim,)) + (bytes((_UINT32,)) if spec.ndim else b""))
-        # Dims are signed here: a dim >= 2**31 (the generic decoder's bound) fails to pack and reads negative.
+        # Dims are signed here: a dim >= 2**31 (the decoders' bound) fails to pack.
         dims = "i" + "Bi" * (spec.ndim - 1) if spec.ndim else ""
         return cls(spec, prefix, struct.Struct(f">{len(prefix)}s{dims}{len(_DATA_BIN32)}sI"))
+
+
+# A tensor dim as the generic decoder accepts it: an int (not a bool) in [0, 2**31).
+_Dim = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+
+
+def _wire_type(tp: Any, kind: str) -> Any:
+    """The msgspec type of a plain field: exactly what ``_check`` accepts (msgspec also takes an int for a float,
+    as ``_check`` does). ``dict[str, Any]`` stays raw msgpack, read by ``msgpack.unpackb`` as the generic path
+    reads it (msgspec's ``Any`` would accept non-str keys of nested maps and decode ext types its own way)."""
+    return msgspec.Raw if kind == "dict_any" else tp
+
+
+def _tensor_wire(cls: type, spec: _FieldSpec) -> type:
+    """The msgspec Struct of one tensor field: ``{dtype, shape, data}`` with the dtype a literal, the shape a tuple
+    of exactly ``ndim`` dims, the bytes a zero-copy memoryview of the message, and no other keys."""
+    return msgspec.defstruct(
+        f"{cls.__name__}_{spec.name}_wire",
+        [("dtype", Literal[spec.dtype]), ("shape", tuple[(_Dim,) * spec.ndim] if spec.ndim else tuple[()]),
+         ("data", memoryview)],
+        forbid_unknown_fields=True)
+
+
+def _wire_twin(cls: type, specs: tuple[_FieldSpec, ...]) -> type:
+    """The type msgspec decodes one message of ``cls`` into: a slots dataclass with exactly ``cls``'s fields in
+    ``cls``'s order (so the same slot layout), each tensor field a ``_tensor_wire`` struct and every other field
+    of its schema type. The decoder sets the fields without calling ``__init__``; ``_canonical_fields`` then puts
+    each tensor's array in its slot and makes the object a ``cls`` (``__class__`` assignment, which Python allows
+    between classes of the same slot layout). Every field is required: the encoder writes them all, and a message
+    that leaves one out (to its default) reads through the generic path. ``schema`` and ``v`` are not fields:
+    the canonical head names them, and a later duplicate of either goes to the generic path (see
+    ``_canonical_fields``)."""
+    hints = typing.get_type_hints(cls)
+    return dataclasses.make_dataclass(
+        f"{cls.__name__}Wire",
+        [(s.name, _tensor_wire(cls, s) if s.np_dtype is not None else _wire_type(hints[s.name], s.kind))
+         for s in specs],
+        slots=True)
 
 
 class _Plan:
     """How one schema class is written and read in the canonical layout (all precomputed at registration)."""
 
-    __slots__ = ("checked", "cls", "count", "get_plain", "get_tensors", "head", "head_key", "plain", "plain_exact",
-                 "plain_names", "plain_pairs", "readers", "tail_header", "tensors", "validate", "writers")
+    __slots__ = ("cls", "count", "decoder", "encode", "finish", "head", "head_key", "plain_names", "tensors",
+                 "validate")
 
     def __init__(self, cls: type, specs: tuple[_FieldSpec, ...]) -> None:
         self.cls = cls
         tensors = [s for s in specs if s.np_dtype is not None]
-        self.plain = tuple(s for s in specs if s.np_dtype is None)
         self.tensors = tuple(_TensorLayout.of(s) for s in tensors)
-        self.readers = tuple((t.spec.name, t.spec.ndim, t.prefix, t.head.unpack_from, t.head.size, t.spec.np_dtype,
-                              t.spec.np_dtype.itemsize) for t in self.tensors)
-        self.writers = tuple((t.spec.ndim, t.prefix, t.head.pack, t.spec.np_dtype, t.spec.np_dtype.itemsize)
-                             for t in self.tensors)
-        self.get_tensors = _getter(tuple(s.name for s in tensors))
-        self.plain_names = tuple(s.name for s in self.plain)
-        self.get_plain = _getter(self.plain_names)
-        self.plain_pairs = [x for name in self.plain_names for x in (name, None)]
+        self.plain_names = tuple(s.name for s in specs if s.np_dtype is None)
         # After the map header: the bytes a canonical message of this class starts with ("schema" and "v").
         self.head_key = msgpack.packb("schema") + msgpack.packb(cls.SCHEMA) + msgpack.packb("v") + msgpack.packb(
             cls.VERSION)
         self.count = 2 + len(specs)
         self.head = _map_header(self.count) + self.head_key
-        self.tail_header = _map_header(len(self.plain))
-        # A plain value of exactly this type needs no conversion; dicts and lists also get their items checked.
-        self.plain_exact = tuple(s.exact or {"dict_float": dict, "dict_any": dict, "list_str": list}[s.kind]
-                                 for s in self.plain)
-        self.checked = tuple((s.name, s.kind) for s in self.plain if s.exact is None)
+        self.decoder = msgspec.msgpack.Decoder(_wire_twin(cls, specs))
+        self.encode = codegen.encoder(
+            cls.SCHEMA, self.head,
+            [codegen.TensorWrite(t.spec.name, t.spec.ndim, t.prefix, t.head.pack, t.spec.np_dtype,
+                                 t.spec.np_dtype.itemsize) for t in self.tensors],
+            self.plain_names, as_tensor=_as_tensor, tensor_head=_tensor_head, data_key=_DATA_BIN32, pack=_pack,
+            ndarray=np.ndarray)
+        self.finish = codegen.finisher(
+            cls, [(s.name, s.np_dtype, s.ndim) for s in tensors], [s.name for s in specs if s.kind == "dict_any"],
+            frombuffer=np.frombuffer, unpack_map=_unpack_map, is_str=str.__instancecheck__)  # exact: no subclasses
         self.validate = getattr(cls, "validate", None)
 
 
-def _getter(names: tuple[str, ...]) -> Any:
-    """A function returning the tuple of attributes ``names`` of an object (``attrgetter`` of one name returns a
-    bare value)."""
-    if not names:
-        return lambda obj: ()
-    if len(names) == 1:
-        get = operator.attrgetter(names[0])
-        return lambda obj: (get(obj),)
-    return operator.attrgetter(*names)
+def _unpack_map(raw: Any) -> Any:
+    """A raw ``dict[str, Any]`` field's value as the generic path reads it."""
+    return msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
 
 
-_LOCAL = threading.local()
-
-
-def _pack(obj: Any) -> bytes:
-    """``msgpack.packb(obj, use_bin_type=True)`` with one reused packer per thread (a packer is not thread-safe,
-    and costs to create). The packer is taken out while in use, so a nested call (say, from a dict subclass's
-    ``items``) gets a fresh one."""
-    packer = _LOCAL.__dict__.pop("packer", None) or msgpack.Packer(use_bin_type=True)
-    try:
-        return packer.pack(obj)
-    finally:
-        _LOCAL.packer = packer
+# msgspec's encoder writes the plain fields: for the types the schemas hold, byte for byte what
+# ``msgpack.packb(obj, use_bin_type=True)`` writes. One instance serves every thread (each call has its own buffer).
+_pack = msgspec.msgpack.Encoder().encode
 
 
 _REGISTRY: dict[tuple[str, int], type] = {}
@@ -198,10 +220,6 @@ def register(cls: type) -> type:
     _PLANS[cls] = plan
     _HEADS[plan.head_key] = plan
     return cls
-
-
-for _cls in schemas.ALL_SCHEMAS:
-    register(_cls)
 
 
 def known_schemas() -> dict[tuple[str, int], type]:
@@ -248,31 +266,12 @@ def _tensor_head(pack: Any, prefix: bytes, shape: tuple[int, ...], nbytes: int) 
     return pack(*args, _DATA_BIN32, nbytes)
 
 
-def _encode_canonical(plan: _Plan, msg: Any, convert: bool) -> bytes:
-    """The canonical layout of ``msg``; ``convert`` also copies arrays that are not C-contiguous."""
-    pieces: list[Any] = [plan.head]
-    for (ndim, prefix, pack, dtype, itemsize), arr in zip(plan.writers, plan.get_tensors(msg)):
-        if type(arr) is not np.ndarray or (arr.dtype is not dtype and arr.dtype != dtype) or arr.ndim != ndim or (
-                convert and not arr.flags.c_contiguous):
-            arr = _as_tensor(arr, dtype, ndim)
-        if ndim == 1:
-            n = len(arr)
-            pieces += (pack(prefix, n, _DATA_BIN32, n * itemsize), arr)
-        else:
-            pieces += (_tensor_head(pack, prefix, arr.shape, arr.nbytes), arr)
-    # The plain fields packed as one flat list [key, value, key, value, ...]: past the array header, exactly the
-    # map's remaining entries.
-    pairs = plan.plain_pairs.copy()
-    pairs[1::2] = plan.get_plain(msg)
-    pieces.append(memoryview(_pack(pairs))[1 if len(pairs) < 16 else 3 if len(pairs) < 2**16 else 5:])
-    return b"".join(pieces)
-
-
 def encode(msg: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     """Encode a schema instance. Raises ``InvalidMessage`` for a bad instance, ``MessageTooLarge`` over the limit.
 
-    Writes the canonical layout (see the module docstring): one ``bytes.join`` of precomputed key bytes, the
-    tensors' own buffers and one msgpack packing of the plain fields, so tensor bytes are copied once.
+    Writes the canonical layout (see the module docstring) with the schema's generated encoder
+    (``topics/codegen.py``): one ``bytes.join`` of precomputed key bytes, the tensors' own buffers and one msgpack
+    packing of the plain fields, so tensor bytes are copied once.
     """
     plan = _PLANS.get(type(msg))
     if plan is None:
@@ -281,9 +280,9 @@ def encode(msg: Any, *, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
         plan.validate(msg)
     try:
         try:
-            data = _encode_canonical(plan, msg, False)
+            data = plan.encode(msg, False)
         except TypeError:  # maybe a non-contiguous array, which exports no plain buffer: copy it
-            data = _encode_canonical(plan, msg, True)
+            data = plan.encode(msg, True)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError, struct.error) as exc:
@@ -381,12 +380,14 @@ def from_wire(obj: Any) -> Any:
     return msg
 
 
-def _canonical_fields(data: bytes) -> tuple[_Plan, dict[str, Any]] | None:
-    """The plan and constructor arguments of a message in the canonical layout; None for any other bytes.
+def _canonical_message(data: bytes) -> Any:
+    """The message (not yet validated) of bytes with a canonical head; None for any other bytes.
 
     None is no verdict: the caller then decodes ``data`` through the generic path, which raises the typed error
-    if there is one. This parser accepts a message only where the generic path would decode the same fields
-    (same types, same tensor checks, no duplicate keys, no trailing bytes).
+    if there is one. This reader accepts a message only where the generic path would decode the same fields:
+    msgspec checks every type (see ``_wire_twin``), and here each tensor's bytes must fill its shape exactly. The
+    head counts ``2 + n`` entries, ``schema`` and ``v`` come first, and all ``n`` fields are required, so the
+    other ``n`` keys are exactly the fields, each once (no duplicate, no unknown key).
     """
     try:
         b0 = data[0]
@@ -401,49 +402,9 @@ def _canonical_fields(data: bytes) -> tuple[_Plan, dict[str, Any]] | None:
         plan = _HEADS.get(data[p:p + 11 + (data[p + 7] & 0x1F)])
         if plan is None or count != plan.count:
             return None  # another layout, another schema, or extra keys (which the generic path ignores)
-        p += len(plan.head_key)
-        tensors = {}
-        for name, ndim, prefix, read_head, head_size, dtype, itemsize in plan.readers:
-            if ndim == 1:
-                pre, n, tag, nbytes = read_head(data, p)
-                # n * itemsize == nbytes >= 0 also rules out a negative n (a dim >= 2**31 on the wire)
-                if pre != prefix or tag != _DATA_BIN32 or nbytes != n * itemsize:
-                    return None
-                p += head_size
-                tensors[name] = np.frombuffer(data, dtype, n, p)  # raises if the bytes end early
-            else:
-                dims = read_head(data, p)
-                shape, nbytes = dims[1:-2:2], dims[-1]
-                if dims[0] != prefix or dims[-2] != _DATA_BIN32 or any(t != _UINT32 for t in dims[2:-2:2]) or (
-                        min(shape, default=0) < 0 or nbytes != math.prod(shape) * itemsize):
-                    return None
-                p += head_size
-                tensors[name] = np.frombuffer(data, dtype, nbytes // itemsize, p).reshape(shape)
-            p += nbytes
-        if len(data) - p < 16384:
-            tail = plan.tail_header + data[p:]
-        else:  # a long tail (texts): copy it once, not twice
-            tail = b"".join((plan.tail_header, memoryview(data)[p:]))
-        plain = msgpack.unpackb(tail, raw=False, strict_map_key=True, use_list=True)
-    except Exception:  # noqa: BLE001 -- truncated, not msgpack...: all for the generic path to judge
+        return plan.finish(plan.decoder.decode(data))
+    except Exception:  # noqa: BLE001 -- truncated, not msgpack, a field of another type...: the generic path judges
         return None
-    # Exactly the plain fields, in schema order (so no key of the head or of a tensor came twice), each of exactly
-    # its type (an int for a float field, say, is for the generic path to convert).
-    if tuple(plain) != plan.plain_names or tuple(map(type, plain.values())) != plan.plain_exact:
-        return None
-    for name, kind in plan.checked:
-        value = plain[name]
-        if kind == "list_str":
-            if not all(map(_IS_STR, value)):
-                return None
-        elif not all(map(_IS_STR, value)) or kind == "dict_float" and not all(map(_IS_FLOAT, value.values())):
-            return None
-    plain.update(tensors)
-    return plan, plain
-
-
-_IS_STR = str.__instancecheck__  # exact here: msgpack makes no subclasses
-_IS_FLOAT = float.__instancecheck__
 
 
 def _decode_generic(data: bytes | bytearray | memoryview) -> Any:
@@ -471,14 +432,13 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX
     if len(data) > max_bytes:
         raise MessageTooLarge(len(data), max_bytes)
     try:
-        canonical = _canonical_fields(data)
-        if canonical is None:
+        msg = _canonical_message(data)
+        if msg is None:
             msg = _decode_generic(data)
         else:
-            plan, fields = canonical
-            msg = plan.cls(**fields)
-            if plan.validate is not None:
-                plan.validate(msg)
+            validate = _PLANS[type(msg)].validate
+            if validate is not None:
+                validate(msg)
     except CodecError:
         raise
     except Exception as exc:  # e.g. numpy refusing a shape; still the sender's fault
@@ -486,3 +446,8 @@ def decode(data: bytes | bytearray | memoryview, *, max_bytes: int = DEFAULT_MAX
     if expect is not None and not isinstance(msg, expect):
         raise InvalidMessage(f"expected a {expect.SCHEMA} message, got {type(msg).SCHEMA}")
     return msg
+
+
+# Registered last: a plan's generated code refers to the helpers above.
+for _cls in schemas.ALL_SCHEMAS:
+    register(_cls)
