@@ -228,14 +228,19 @@ class EmbeddedBrokers:
         raise BrokerUnavailable("s3", self._s3_env()["AWS_ENDPOINT"], f"bucket not ready after {timeout_s:.0f} s")
 
     # -- Tansu and NATS ---------------------------------------------------------------------------
-    async def start_kafka(self) -> None:
+    def tansu_command(self, *extra: str) -> tuple[list[str], dict[str, str]]:
+        """The argv (``extra`` appended) and the environment of the Tansu broker this object runs on its port and
+        store: for a test that runs a variant of it, e.g. ``--authentication``, over the same durable store."""
         url = f"tcp://{self.host}:{self.kafka_port}"
         if self.durable:
             storage, env = f"s3://{S3_BUCKET}/", self._s3_env()
         else:
             storage, env = "memory://tansu/", {}
-        self._spawn("tansu", [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
-                              "--storage-engine", storage], env)
+        return [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+                "--storage-engine", storage, *extra], env
+
+    async def start_kafka(self) -> None:
+        self._spawn("tansu", *self.tansu_command())
         await wait_kafka(self.kafka_bootstrap)
 
     async def start_nats(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import click
 import orjson
 
-from topics.errors import BrokerUnavailable, ConfigError
+from topics.errors import AuthenticationFailed, BrokerUnavailable, ConfigError
 
 OVERRIDES = {"ignore_unknown_options": True, "allow_extra_args": True}
 
@@ -46,7 +46,7 @@ def _run_async(coro: Any) -> Any:
     install_uvloop()
     try:
         return asyncio.run(coro)
-    except BrokerUnavailable as exc:
+    except (BrokerUnavailable, AuthenticationFailed) as exc:
         raise click.ClickException(str(exc)) from None
 
 

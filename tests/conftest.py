@@ -1,7 +1,9 @@
 """Shared fixtures: real brokers on free ports (Tansu + nats-server), and a per-test RunConfig pointing at them.
 
 Set ``STREAMFORGE_KAFKA_BOOTSTRAP`` and ``STREAMFORGE_NATS_URL`` to run the integration suite against external
-brokers instead (e.g. a real Apache Kafka cluster); then nothing is started here.
+brokers instead (e.g. a real Apache Kafka cluster, or a separate ``streamforge brokers``); then nothing is started
+here. Whether the Kafka broker is Tansu is probed (``BrokerAddresses.tansu``): the tests that pin Tansu's limits, or
+need what it lacks, look at that, not at who started it.
 """
 
 from __future__ import annotations
@@ -26,10 +28,27 @@ class BrokerAddresses:
     kafka_bootstrap: str
     nats_url: str
     embedded: EmbeddedBrokers | None = None
+    tansu: bool = True  # the Kafka broker is Tansu (then no idempotence, wrong end_offsets)
 
     @property
     def external(self) -> bool:
         return self.embedded is None
+
+
+async def refuses_idempotence(bootstrap: str) -> bool:
+    """Whether the broker is Tansu, told by what sets it apart for the tests: it answers aiokafka's InitProducerId
+    with UnknownError, where Apache Kafka grants an idempotent producer."""
+    from aiokafka import AIOKafkaProducer
+    from aiokafka.errors import UnknownError
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+    try:
+        await producer.start()
+        return False
+    except UnknownError:
+        return True
+    finally:
+        await producer.stop()
 
 
 @pytest.fixture(scope="session")
@@ -38,7 +57,7 @@ async def brokers(tmp_path_factory: pytest.TempPathFactory):
     kafka = os.environ.get("STREAMFORGE_KAFKA_BOOTSTRAP")
     nats_url = os.environ.get("STREAMFORGE_NATS_URL")
     if kafka and nats_url:
-        yield BrokerAddresses(kafka, nats_url)
+        yield BrokerAddresses(kafka, nats_url, tansu=await refuses_idempotence(kafka))
         return
     embedded = EmbeddedBrokers(tmp_path_factory.mktemp("brokers"))
     await embedded.start()

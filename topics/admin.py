@@ -14,27 +14,18 @@ from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import TopicAlreadyExistsError
 
 from topics.config import KafkaConfig, TopicsConfig
-from topics.errors import BrokerError, BrokerUnavailable
-from topics.kafka import Consumer, Received, client_kwargs
+from topics.errors import BrokerError
+from topics.kafka import Consumer, Received, client_kwargs, start_with_retries
 from topics.names import Names
 
 
 async def _admin(cfg: KafkaConfig) -> AIOKafkaAdminClient:
     admin = AIOKafkaAdminClient(**client_kwargs(cfg, client_id=f"{cfg.client_id}-admin"))
-    delay = cfg.retry_backoff_s
-    for attempt in range(1, cfg.connect_retries + 1):
-        try:
-            await admin.start()
-            return admin
-        except KafkaConnectionError as exc:
-            if attempt == cfg.connect_retries:
-                raise BrokerUnavailable("kafka", cfg.bootstrap, str(exc)) from exc
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 8.0)
-    raise AssertionError("unreachable")
+    await start_with_retries(admin, cfg, "admin", stop=admin.close)
+    return admin
 
 
 async def ensure_topics(cfg: KafkaConfig, names: Names, topics_cfg: TopicsConfig) -> list[str]:

@@ -81,6 +81,20 @@ class BrokerError(StreamforgeError):
     """A broker answered with an error."""
 
 
+class AuthenticationFailed(BrokerError):
+    """The broker refused this client's login: its credentials or its SASL mechanism. Not retriable: the same login
+    is refused again. Names the address, the mechanism and the user, never the secret."""
+
+    retriable = False
+
+    def __init__(self, kind: str, address: str, *, mechanism: str, user: str, detail: str) -> None:
+        super().__init__(f"{kind} broker at {address} refused the {mechanism} login of user {user!r}: {detail}")
+        self.kind = kind
+        self.address = address
+        self.mechanism = mechanism
+        self.user = user
+
+
 class StaleWriter(StreamforgeError):
     """A compare-and-set write lost: somebody else wrote a newer value first."""
 

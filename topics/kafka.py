@@ -9,7 +9,8 @@
 * Works on Tansu (the embedded broker) and on Apache Kafka: no idempotent producer, no transactions, and
   ``highwater()`` rather than ``end_offsets()`` (Tansu gets the latter wrong).
 * A broker that comes up late is retried with exponential backoff (``kafka.connect_retries``); then
-  ``BrokerUnavailable`` (retriable) names the address.
+  ``BrokerUnavailable`` (retriable) names the address. A broker that refuses the SASL login (wrong password, unknown
+  user, mechanism not enabled) raises ``AuthenticationFailed`` (not retriable) at the first attempt.
 """
 
 from __future__ import annotations
@@ -19,26 +20,34 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.abc import ConsumerRebalanceListener
-from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.conn import create_conn
+from aiokafka.errors import (
+    IllegalSaslStateError,
+    KafkaConnectionError,
+    KafkaError,
+    SaslAuthenticationFailed,
+    UnsupportedSaslMechanismError,
+)
 from aiokafka.helpers import create_ssl_context
 from opentelemetry import context as otel_context
 
 from topics import codec
 from topics.config import KafkaConfig
-from topics.errors import BrokerError, BrokerUnavailable, CodecError, ConfigError
+from topics.errors import AuthenticationFailed, BrokerError, BrokerUnavailable, CodecError, ConfigError
 from topics.names import Names
 from topics.schemas import DeadLetter
 from topics.tracing import context_from_kafka, kafka_headers
 
 log = logging.getLogger("streamforge.kafka")
 
-__all__ = ["Producer", "Consumer", "Received", "DeadLetters", "TopicPartition", "client_kwargs"]
+__all__ = ["Consumer", "DeadLetters", "Producer", "Received", "TopicPartition", "check_login", "client_kwargs",
+           "start_with_retries"]
 
 
 def client_kwargs(cfg: KafkaConfig, *, client_id: str = "") -> dict[str, Any]:
@@ -62,17 +71,80 @@ def client_kwargs(cfg: KafkaConfig, *, client_id: str = "") -> dict[str, Any]:
     return kw
 
 
-async def _start_with_retries(client: Any, cfg: KafkaConfig, what: str) -> None:
+_SASL_REFUSALS = (SaslAuthenticationFailed, UnsupportedSaslMechanismError, IllegalSaslStateError)
+
+
+def sasl_refusal(exc: BaseException, mechanism: str) -> str | None:
+    """Why the broker refused a SASL login, read from what one connection attempt raised; None if ``exc`` says
+    nothing about the login (the broker is down, slow, or dropped the connection).
+
+    The broker says so with an error code (SaslAuthenticationFailed, UnsupportedSaslMechanism, IllegalSaslState);
+    aiokafka's own SCRAM and PLAIN clients fail with KeyError, ValueError or AssertionError on a reply they do not
+    expect, such as a SCRAM server-final message that carries ``e=<error>`` where they read ``v=<signature>``."""
+    if isinstance(exc, _SASL_REFUSALS):
+        return str(exc)
+    if isinstance(exc, KeyError) and mechanism.startswith("SCRAM-") and exc.args == ("v",):
+        return "the broker's final SCRAM message carried an error (e=...) instead of its signature (v=...)"
+    if isinstance(exc, (KeyError, ValueError, AssertionError)):
+        return f"unexpected reply to the SASL exchange ({type(exc).__name__}: {exc})"
+    return None
+
+
+async def check_login(cfg: KafkaConfig) -> str:
+    """Log in once to the first bootstrap broker with ``cfg``'s security settings; raise ``AuthenticationFailed`` if
+    it refuses the login. Returns a note on any other failure (for an unreachable-broker message), else "".
+
+    Needed because aiokafka's bootstrap logs a refused SASL login and raises a bare "Unable to bootstrap", which
+    reads like a broker that is not up yet and would be retried for a minute; one bare connection tells them apart."""
+    kw = client_kwargs(cfg)
+    host, _, port = cfg.bootstrap.split(",")[0].rpartition(":")
+    mechanism = kw.get("sasl_mechanism", "")
+    try:
+        conn = await create_conn(
+            host, int(port), client_id=kw["client_id"], request_timeout_ms=cfg.request_timeout_ms,
+            ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol, sasl_mechanism=mechanism,
+            sasl_plain_username=kw.get("sasl_plain_username"), sasl_plain_password=kw.get("sasl_plain_password"),
+        )
+    except Exception as exc:
+        refusal = sasl_refusal(exc, mechanism)
+        if refusal is not None:
+            raise AuthenticationFailed("kafka", cfg.bootstrap, mechanism=mechanism, user=cfg.sasl_username,
+                                       detail=refusal) from exc
+        if isinstance(exc, KafkaConnectionError):  # raised only once connected: the broker hung up on us
+            return f"the broker accepted the connection and closed it during the {mechanism or 'protocol'} handshake"
+        return ""
+    conn.close()
+    return ""
+
+
+async def start_with_retries(client: Any, cfg: KafkaConfig, what: str,
+                             stop: Callable[[], Awaitable[Any]] | None = None) -> None:
+    """``client.start()``, retried with exponential backoff while the broker is unreachable; ``stop`` (default
+    ``client.stop``) releases the client when giving up. With SASL, each failure is checked with ``check_login``,
+    so a refused login raises ``AuthenticationFailed`` at once instead of being retried as an unreachable broker."""
+    stop = stop or client.stop
+    sasl = cfg.security_protocol.startswith("SASL")
     delay = cfg.retry_backoff_s
     for attempt in range(1, cfg.connect_retries + 1):
         try:
             await client.start()
             return
-        except KafkaConnectionError as exc:
+        except Exception as exc:
+            if not sasl and not isinstance(exc, KafkaConnectionError):
+                raise
+            try:
+                note = await check_login(cfg) if sasl else ""
+            except AuthenticationFailed:
+                with contextlib.suppress(Exception):
+                    await stop()
+                raise
+            if not isinstance(exc, KafkaConnectionError):
+                raise
             if attempt == cfg.connect_retries:
                 with contextlib.suppress(Exception):
-                    await client.stop()
-                raise BrokerUnavailable("kafka", cfg.bootstrap, f"{what}: {exc}") from exc
+                    await stop()
+                raise BrokerUnavailable("kafka", cfg.bootstrap, f"{what}: {exc}" + (f" ({note})" if note else "")
+                                        ) from exc
             log.warning("kafka %s: %s unreachable (attempt %d/%d), retrying in %.1f s",
                         what, cfg.bootstrap, attempt, cfg.connect_retries, delay)
             await asyncio.sleep(delay)
@@ -104,7 +176,7 @@ class Producer:
             return
         self._started = True
         try:
-            await _start_with_retries(self._producer, self.cfg, "producer")
+            await start_with_retries(self._producer, self.cfg, "producer")
         except KafkaError as exc:
             if not self.cfg.idempotent:
                 raise
@@ -241,7 +313,7 @@ class Consumer:
         if self._started:
             return
         self._started = True
-        await _start_with_retries(self._consumer, self.cfg, "consumer")
+        await start_with_retries(self._consumer, self.cfg, "consumer")
         if self._partitions is not None:
             self._consumer.assign(self._partitions)
         elif self.topics:

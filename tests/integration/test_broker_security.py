@@ -1,9 +1,22 @@
 """Security options against real servers: NATS token, user/password and TLS (certificates made here).
 
-Kafka TLS could not be exercised against the embedded broker: Tansu 0.6's CLI refuses ``--cert`` together with
-``--key`` ("the argument '--cert <CERT>' cannot be used with '--key <KEY>'"), and with ``--cert`` alone a TLS
-client gets "early eof". The Kafka SASL/TLS options are unit-tested in ``tests/unit/test_client_security.py`` and
-exercised against real clusters through ``deploy/``.
+Kafka TLS cannot be exercised against the embedded broker (``tansu 0.6.0``, build ``v0.6.0-510f3e2``; source lines
+of tansu-io/tansu at that commit); the pins below show it on the binary:
+
+* ``--cert`` with ``--key`` exits 2: "the argument '--cert <CERT>' cannot be used with '--key <KEY>'". Both flags
+  are in one clap group, ``#[arg(group = "tls", long)]`` (``tansu-cli/src/cli/broker.rs:98,102``), and a group
+  takes one member; yet a server config is built only when both are given (``broker.rs:265-267``).
+* ``--cert`` alone or ``--key`` alone starts the broker, serving plain Kafka: a PLAINTEXT client works, and a TLS
+  client's handshake hangs until the client's own timeout (Tansu reads the ClientHello as the size of a Kafka
+  frame and waits for the rest; when the client gives up it logs ``err=Custom { kind: UnexpectedEof, error:
+  "early eof" }``). Even with a server config the broker never uses it: ``let _acceptor = ...`` is built and
+  dropped (``tansu-broker/src/broker.rs:285``), every connection is served as plain TCP.
+* The listener URL's scheme is ignored: only its host and port are bound (``TcpListener::bind``, ``broker.rs:219``),
+  so ``tls://``, ``ssl://`` or ``https://`` listeners serve plain Kafka too.
+
+Kafka SASL on Tansu is in ``tests/integration/test_kafka_sasl.py`` (it cannot log in either). The Kafka SASL/TLS
+options are unit-tested in ``tests/unit/test_client_security.py`` and exercised against real clusters through
+``deploy/``.
 """
 
 from __future__ import annotations
@@ -16,13 +29,14 @@ from pathlib import Path
 
 import pytest
 
-from streamforge.brokers import free_port, nats_server_binary
-from topics.config import NatsConfig
+from streamforge.brokers import free_port, nats_server_binary, tansu_binary
+from topics.config import KafkaConfig, NatsConfig
 from topics.errors import BrokerUnavailable
+from topics.kafka import Producer
 from topics.nats import connect
 
 sys.path.insert(0, str(Path(__file__).parent))
-from certs import make_certs  # noqa: E402
+from certs import make_certs
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -115,3 +129,48 @@ async def test_brokers_that_come_up_late_are_waited_for(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@contextlib.asynccontextmanager
+async def tansu_with(*args: str, scheme: str = "tcp"):
+    """A memory-store Tansu with extra ``args`` on a free port under a ``scheme://`` listener; yields the address."""
+    port = free_port()
+    url = f"{scheme}://127.0.0.1:{port}"
+    proc = await asyncio.create_subprocess_exec(
+        tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url, *args,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        for _ in range(200):
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.02)
+        yield f"127.0.0.1:{port}"
+    finally:  # not proc.wait() in a blocking call: a client socket still open at SIGTERM holds Tansu for 5 s
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 10)
+
+
+async def test_tansu_refuses_cert_together_with_key(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    proc = await asyncio.create_subprocess_exec(tansu_binary(), "broker", "--cert", str(certs["cert"]), "--key",
+                                                str(certs["key"]), stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    out = (await asyncio.wait_for(proc.communicate(), 30))[0].decode()
+    assert proc.returncode == 2 and "'--cert <CERT>' cannot be used with '--key <KEY>'" in out, out
+
+
+@pytest.mark.parametrize(("flag", "scheme"), [("cert", "tcp"), ("key", "tcp"), (None, "tls"), (None, "ssl")])
+async def test_tansu_serves_plain_kafka_whatever_its_tls_options(tmp_path: Path, flag: str | None,
+                                                                 scheme: str) -> None:
+    certs = make_certs(tmp_path / "certs")
+    args = (f"--{flag}", str(certs[flag])) if flag else ()
+    async with tansu_with(*args, scheme=scheme) as bootstrap:
+        async with Producer(KafkaConfig(bootstrap=bootstrap, connect_retries=1)) as producer:
+            await producer.send_raw("tls-pin", b"in the clear")
+        tls = KafkaConfig(bootstrap=bootstrap, security_protocol="SSL", ssl_cafile=str(certs["ca"]),
+                          request_timeout_ms=1000, connect_retries=1)
+        with pytest.raises(BrokerUnavailable):  # the TLS handshake gets no answer
+            await Producer(tls).start()

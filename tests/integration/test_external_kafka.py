@@ -2,8 +2,8 @@
 ``STREAMFORGE_KAFKA_BOOTSTRAP``): the idempotent producer (``kafka.idempotent``), ``end_offsets()`` /
 ``seek_to_end()`` agreeing with the high-water marks, and ``auto_offset_reset="latest"``.
 
-On the embedded broker only the first test runs (the clear start-up error for ``kafka.idempotent``); the rest skip,
-and ``test_tansu_limits.py`` pins what Tansu gets wrong instead.
+On Tansu, embedded or external (a separate ``streamforge brokers``), only the first test runs (the clear start-up
+error for ``kafka.idempotent``); the rest skip, and ``test_tansu_limits.py`` pins what Tansu gets wrong instead.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 @pytest.fixture
 def external_only(brokers):
-    if not brokers.external:
-        pytest.skip("needs an external Kafka (STREAMFORGE_KAFKA_BOOTSTRAP); Tansu has no idempotence or seek_to_end")
+    if brokers.tansu:
+        pytest.skip("needs an Apache Kafka (STREAMFORGE_KAFKA_BOOTSTRAP); Tansu has no idempotence or seek_to_end")
     return brokers
 
 
@@ -34,8 +34,8 @@ def prompts(n: int, tag: str) -> list[Prompt]:
 
 
 async def test_idempotent_producer_on_tansu_is_a_clear_config_error(brokers, run_config) -> None:
-    if brokers.external:
-        pytest.skip("the external broker may support idempotence")
+    if not brokers.tansu:
+        pytest.skip("this Kafka broker is not Tansu: it has idempotence")
     cfg = dataclasses.replace(run_config.kafka, idempotent=True, connect_retries=1)
     with pytest.raises(ConfigError) as err:
         async with Producer(cfg):

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from topics.config import KafkaConfig
+from topics.config import KafkaConfig, NatsConfig
 from topics.errors import BrokerUnavailable, ConfigError
 from topics.kafka import client_kwargs
 from topics.nats import connect_kwargs
-from topics.config import NatsConfig
 
 
 def test_sasl_ssl_options(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -49,3 +48,51 @@ def test_nats_tls_url_gets_a_tls_context(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("STREAMFORGE_NATS_TOKEN", "tok")
     kw = connect_kwargs(NatsConfig(url="tls://nats:4222"), name="x")
     assert isinstance(kw["tls"], ssl.SSLContext) and kw["token"] == "tok"
+
+
+def test_sasl_refusals_are_told_from_unreachable_brokers() -> None:
+    from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed, UnsupportedSaslMechanismError
+
+    from topics.kafka import sasl_refusal
+
+    assert "SaslAuthenticationFailed" in sasl_refusal(SaslAuthenticationFailed("bad"), "SCRAM-SHA-512")
+    assert sasl_refusal(UnsupportedSaslMechanismError("PLAIN"), "PLAIN")
+    # aiokafka's SCRAM client reads v=<signature>; a server that rejects the login answers e=<error>
+    assert "e=" in sasl_refusal(KeyError("v"), "SCRAM-SHA-256")
+    assert "AssertionError" in sasl_refusal(AssertionError("Server should either close"), "PLAIN")
+    for unreachable in (KafkaConnectionError("closed"), ConnectionRefusedError(111, "refused"), TimeoutError()):
+        assert sasl_refusal(unreachable, "PLAIN") is None
+
+
+async def test_a_refused_login_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aiokafka's bootstrap turns a refused SASL login into a bare KafkaConnectionError; the one-connection check
+    (here a fake) recovers the refusal, and the client is stopped at the first attempt instead of retried."""
+    from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
+
+    from topics import kafka
+    from topics.errors import AuthenticationFailed
+
+    class Client:
+        starts = stops = 0
+
+        async def start(self) -> None:
+            self.starts += 1
+            raise KafkaConnectionError("Unable to bootstrap from [('kafka', 9093)]")
+
+        async def stop(self) -> None:
+            self.stops += 1
+
+    async def refusing_conn(*args: object, **kw: object) -> None:
+        raise SaslAuthenticationFailed("SASL Authentication failed.")
+
+    monkeypatch.setattr(kafka, "create_conn", refusing_conn)
+    monkeypatch.setenv("SF_TEST_KAFKA_PASSWORD", "kafka-secret")
+    cfg = KafkaConfig(bootstrap="kafka:9093", security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-256",
+                      sasl_username="trainer", sasl_password_env="SF_TEST_KAFKA_PASSWORD", connect_retries=5,
+                      retry_backoff_s=0.01)
+    client = Client()
+    with pytest.raises(AuthenticationFailed) as err:
+        await kafka.start_with_retries(client, cfg, "producer")
+    assert (client.starts, client.stops) == (1, 1)
+    assert not err.value.retriable and err.value.user == "trainer" and err.value.mechanism == "SCRAM-SHA-256"
+    assert "kafka:9093" in str(err.value) and "kafka-secret" not in str(err.value)
