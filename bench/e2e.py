@@ -71,7 +71,7 @@ def run_trl(model_dir: Path, args: argparse.Namespace, out: Path) -> dict[str, A
         return [task.score(c, a) for c, a in zip(completions, answer)]
 
     class Stop(TrainerCallback):
-        def on_log(self, _args, state, control, logs=None, **kw):  # noqa: ANN001
+        def on_log(self, _args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 rewards.append((time.monotonic(), float(logs["reward"])))
                 hit, _ = time_to_target(rewards, args.target, args.window)

@@ -109,8 +109,7 @@ def write_dataset(dataset: Iterable[Mapping[str, Any]] | str | os.PathLike, run_
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "dataset.jsonl"
     with open(path, "wb") as fh:
-        for row in dataset:
-            fh.write(orjson.dumps(dict(row)) + b"\n")
+        fh.writelines(orjson.dumps(dict(row)) + b"\n" for row in dataset)
     return str(path)
 
 

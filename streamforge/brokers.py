@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 from topics.errors import BrokerUnavailable
 
@@ -77,7 +78,7 @@ async def wait_kafka(bootstrap: str, timeout_s: float = 30.0) -> None:
             await admin.start()
             await admin.list_topics()
             return
-        except Exception as exc:  # connection refused while the broker starts
+        except Exception as exc:  # noqa: BLE001 -- connection refused, or any reply error, while the broker starts
             last = exc
         finally:
             with contextlib.suppress(Exception):
@@ -101,7 +102,7 @@ async def wait_nats(url: str, timeout_s: float = 30.0) -> None:
                 return
             finally:
                 await nc.close()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- not up yet: any failure means try again until the deadline
             last = exc
         await asyncio.sleep(0.05)
     raise BrokerUnavailable("nats", url, f"not ready after {timeout_s:.0f} s ({last})")
@@ -152,11 +153,13 @@ class EmbeddedBrokers:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        out = open(self.data_dir / f"{name}.log", "ab") if self.log_to_files else subprocess.DEVNULL
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})}, start_new_session=True,
-        )
+        log_file = open(self.data_dir / f"{name}.log", "ab") if self.log_to_files else contextlib.nullcontext(  # noqa: SIM115
+            subprocess.DEVNULL)
+        with log_file as out:  # the child has its own copy of the descriptor; the parent's is closed here
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})}, start_new_session=True,
+            )
         self._procs[name] = proc
         return proc
 
@@ -290,7 +293,7 @@ class EmbeddedBrokers:
     def alive(self) -> dict[str, bool]:
         return {name: proc.poll() is None for name, proc in self._procs.items()}
 
-    async def __aenter__(self) -> EmbeddedBrokers:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 

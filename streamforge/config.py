@@ -197,7 +197,7 @@ def _section_type(cls: type, section: str) -> type:
 def _overrides_to_dotlist(overrides: Sequence[str]) -> list[str]:
     out = []
     for item in overrides:
-        item = item[2:] if item.startswith("--") else item
+        item = item.removeprefix("--")
         if "=" not in item:
             raise ConfigError(item, "an override must look like --section.key=value")
         out.append(item)

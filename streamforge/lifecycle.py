@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Self
 
 from topics.errors import RoleCrashed
 
@@ -71,7 +71,7 @@ class Service:
         self._stopping.set()
         await self._stop()
 
-    async def __aenter__(self) -> Service:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -98,7 +98,7 @@ class Service:
             if crash is None:
                 try:
                     await asyncio.wait_for(self.drain(), self.drain_timeout_s)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     log.warning("%s: drain did not finish within %.1f s", self.name, self.drain_timeout_s)
         finally:
             stopper.cancel()

@@ -61,9 +61,9 @@ def file_tree(root: Path = ROOT) -> str:
 
 def render(text: str, root: Path = ROOT) -> str:
     text = re.sub(r"<!-- tree:start -->.*?<!-- tree:end -->",
-                  lambda m: f"<!-- tree:start -->\n{file_tree(root)}\n<!-- tree:end -->", text, flags=re.S)
+                  lambda m: f"<!-- tree:start -->\n{file_tree(root)}\n<!-- tree:end -->", text, flags=re.DOTALL)
     text = re.sub(r"<!-- topics:start -->.*?<!-- topics:end -->",
-                  lambda m: f"<!-- topics:start -->\n{topic_table_markdown()}\n<!-- topics:end -->", text, flags=re.S)
+                  lambda m: f"<!-- topics:start -->\n{topic_table_markdown()}\n<!-- topics:end -->", text, flags=re.DOTALL)
     return text
 
 

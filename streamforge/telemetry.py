@@ -101,7 +101,6 @@ def setup_tracing(service_name: str, run_dir: str | os.PathLike | None, *, expor
 
 def shutdown_tracing() -> None:
     """Flush and close the exporter (call before the process exits)."""
-    global _provider
     if _provider is not None:
         _provider.force_flush()
         _provider.shutdown()

@@ -10,6 +10,7 @@ the bucket. Every request is bounded by ``nats.request_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -197,7 +198,5 @@ class PolicyStore:
                     continue
                 yield pv
         finally:
-            try:
+            with contextlib.suppress(Exception):  # the connection may be closed already
                 await watcher.stop()
-            except Exception:  # connection already closed
-                pass

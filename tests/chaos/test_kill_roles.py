@@ -56,7 +56,7 @@ def test_killed_roles_restart_and_nothing_is_lost_or_trained_twice(tmp_path: Pat
         while plan and time.monotonic() < deadline and up.poll() is None:
             steps = len(read_metrics(run_dir / "metrics.jsonl"))
             if steps >= plan[0][0]:
-                at, role = plan.pop(0)
+                _, role = plan.pop(0)
                 pid = role_pid(run_dir, role)
                 assert pid is not None, f"no {role} process to kill"
                 kill_group(pid)

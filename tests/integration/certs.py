@@ -20,7 +20,7 @@ def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
 def make_certs(out: Path) -> dict[str, Path]:
     """Write ca.pem, server.pem and server-key.pem under ``out``; return their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "streamforge test CA")])
     ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())

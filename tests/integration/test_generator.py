@@ -313,7 +313,7 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
     env = {k: v for k, v in env.items() if not k.startswith("STREAMFORGE_")}
     log_path = tmp_path / "victim.log"
     with open(log_path, "wb") as log_file:  # noqa: ASYNC230 - a local file, once
-        victim = subprocess.Popen(  # noqa: ASYNC220 - the test holds the handle to SIGKILL it
+        victim = subprocess.Popen(
             [sys.executable, "-m", "producers.generator", "--config", str(config_path)],
             cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:

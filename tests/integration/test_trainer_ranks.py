@@ -34,7 +34,7 @@ async def launch(cfg, tiny_dir: Path, max_steps: int, log: Path) -> int:
            "--telemetry.metrics=[]"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as fh:  # noqa: ASYNC230
-        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: ASYNC220
+        proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return await asyncio.wait_for(asyncio.to_thread(proc.wait), 200)
         finally:

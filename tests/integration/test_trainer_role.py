@@ -179,7 +179,7 @@ async def test_sigkill_after_checkpoint_restart_trains_each_batch_once(run_confi
     await produce(cfg, cfg.names.batches, batches[:7])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log1 = open(cfg.run_dir.parent / "trainer1.log", "wb")  # noqa: SIM115, ASYNC230
-    proc = subprocess.Popen(_trainer_cmd(cfg, tiny_dir, total), env=env, stdout=log1, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    proc = subprocess.Popen(_trainer_cmd(cfg, tiny_dir, total), env=env, stdout=log1, stderr=subprocess.STDOUT)
     try:
         # 7 batches available: the trainer checkpoints at step 4 and goes on to step 7, then waits for more
         await _wait_for(lambda: len(Ledger.read(cfg.run_dir)) >= 7, 120, proc, "7 trained steps")
@@ -195,7 +195,7 @@ async def test_sigkill_after_checkpoint_restart_trains_each_batch_once(run_confi
 
     await produce(cfg, cfg.names.batches, [batches[3], *batches[7:]])  # plus a redelivery of batch 3
     log2 = open(cfg.run_dir.parent / "trainer2.log", "wb")  # noqa: SIM115, ASYNC230
-    proc = subprocess.Popen(_trainer_cmd(cfg, tiny_dir, total), env=env, stdout=log2, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    proc = subprocess.Popen(_trainer_cmd(cfg, tiny_dir, total), env=env, stdout=log2, stderr=subprocess.STDOUT)
     try:
         rc = await asyncio.wait_for(asyncio.to_thread(proc.wait), 150)
     finally:

@@ -22,7 +22,7 @@ REASONS = {"malformed", "unknown_schema", "oversized", "invalid"}
 
 def valid_messages() -> list[object]:
     n = 5
-    arr = lambda dt: np.arange(n, dtype=dt)  # noqa: E731
+    arr = lambda dt: np.arange(n, dtype=dt)
     return [
         schemas.Prompt(prompt_id="p", task="addmod10", text="1+2=", token_ids=arr("int32"), answer="3"),
         schemas.Episode(episode_id="g/0", group_id="g", group_size=8, prompt_id="p", prompt_tokens=arr("int32"),

@@ -20,7 +20,7 @@ README = (ROOT / "README.md").read_text()
 
 
 def examples() -> dict[str, str]:
-    return dict(re.findall(r"<!-- example: (\S+) -->\n```python\n(.*?)```", README, flags=re.S))
+    return dict(re.findall(r"<!-- example: (\S+) -->\n```python\n(.*?)```", README, flags=re.DOTALL))
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_reward_example_scores_through_the_reward_set(example_modules: Path) -> 
 
 
 def test_readme_command_lines_parse_into_a_valid_config() -> None:
-    lines = re.findall(r"^streamforge run \w+ (.*?)$", README.replace("\\\n", " "), flags=re.M)
+    lines = re.findall(r"^streamforge run \w+ (.*?)$", README.replace("\\\n", " "), flags=re.MULTILINE)
     assert lines
     for line in lines:
         args = shlex.split(line)
