@@ -399,6 +399,8 @@ class BufferRole(Service):
             committed = {tp: await self.consumer.committed(tp) for tp in tps}
             since = await committed_since_ms(self.config.kafka, committed, self.cfg.recovery_skew_s)
             if since is None:
+                log.info("buffer %s: assigned %s; nothing to recover (no record at the committed offsets)",
+                         self.buffer_id, sorted(tp.partition for tp in tps))
                 return
             found = await read_decided(self.config.kafka, batches_topic=self.names.batches,
                                        drops_topic=self.names.drops, since_ms=since)
