@@ -155,7 +155,8 @@ class BufferRole(Service):
         if self.cfg.max_batches_ahead > 0:
             self._batch_hw = await highwaters(kafka, self.names.batches)
         self.consumer = Consumer(kafka, [self.names.episodes], group_id=self.names.buffers_group, expect=Episode,
-                                 client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self))
+                                 client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self),
+                                 fetch_min_bytes=self.cfg.fetch_min_bytes)
         await self.consumer.start()
         log.info("buffer %s started (latest policy version %s)", self.buffer_id, self.latest_version)
 
