@@ -7,16 +7,21 @@ One run, one embedded broker (Tansu + nats-server, started here), two measuremen
           first send to the child's last record).
 * buffer: this process produces the same bytes to the run's ``episodes`` topic; a child process runs the buffer
           (``streamforge run buffer``: decode, dedup, group, advantages, build and publish Batches, commit);
-          this process reads the ``batches`` topic. Episodes/s = N / (time from the first send until every
-          episode is in a batch this process has read).
+          another child reads the ``batches`` topic (a process of its own, as the raw consumer: in this one it
+          took CPU from the producer's event loop). Episodes/s = N / (time from the first send until every
+          episode is in a batch the reader has read).
 
-Children are started and ready (partitions assigned) before the clock starts. Every consumer here, raw or not,
+Children are started and ready (partitions assigned; the buffer's recovery check of them done, which on these
+fresh topics finds nothing to recover) before the clock starts. Every consumer here, raw or not,
 waits at most ``kafka.fetch_max_wait_ms`` per fetch (Tansu answers a fetch only when that runs out). Last line:
 ``{"bench": "bus", "episodes_per_s_vs_raw": X}`` (goal: >= 0.8).
 
 Runs alternate (raw, buffer, raw, buffer...) on fresh topics; the reported ratio is the median over the
 (raw, buffer) pairs, each pair measured back to back, which damps the load drift of a shared machine. The detail
-line also gives the CPU seconds of this process, the broker and the child per run, and
+line also gives the CPU seconds of this process, the broker and the children per run (``child``: the raw consumer
+or the buffer; ``reader``: the batches reader), ``after_last_ack_s`` (seconds from the producer's last
+acknowledgement to the end of the measurement: the pipeline's tail, which for the buffer includes the
+``max_batch_wait_s`` of the last, partial, batches), and
 ``cpu_efficiency_vs_raw`` (median of raw CPU / buffer CPU): the ratio a machine with idle cores would approach.
 
 Usage: ``python bench/bus.py [--episodes N] [--group-size G] [--prompt-len P] [--response-len R] [--repeats K]``.
@@ -47,7 +52,7 @@ from streamforge.brokers import EmbeddedBrokers
 from streamforge.config import dump_config, load_config
 from topics import codec
 from topics.admin import ensure_topics
-from topics.kafka import Producer, client_kwargs
+from topics.kafka import Producer
 
 
 def make_config(brokers: EmbeddedBrokers, prefix: str, run_dir: Path, extra: list[str] = ()):  # type: ignore[assignment]
@@ -70,30 +75,32 @@ def cpu_s(pid: int) -> float:
 
 
 class CpuMeter:
-    """CPU seconds spent by this process, the broker and a child between ``start`` and ``stop``."""
+    """CPU seconds spent by this process, the broker and the children between ``start`` and ``stop``."""
 
     def __init__(self, broker_pid: int) -> None:
         self.broker_pid = broker_pid
-        self.child_pid = 0
+        self.children: dict[str, int] = {}
 
-    def start(self, child_pid: int) -> None:
-        self.child_pid = child_pid
+    def _now(self) -> tuple[float, ...]:
         t = os.times()
-        self._t0 = (t.user + t.system, cpu_s(self.broker_pid), cpu_s(child_pid))
+        return (t.user + t.system, cpu_s(self.broker_pid), *(cpu_s(pid) for pid in self.children.values()))
+
+    def start(self, **children: int) -> None:
+        self.children = children
+        self._t0 = self._now()
 
     def stop(self) -> dict[str, float]:
-        t = os.times()
-        now = (t.user + t.system, cpu_s(self.broker_pid), cpu_s(self.child_pid))
-        return {k: round(b - a, 2) for k, a, b in zip(("main", "broker", "child"), self._t0, now)}
+        keys = ("main", "broker", *self.children)
+        return {k: round(b - a, 2) for k, a, b in zip(keys, self._t0, self._now())}
 
 
-async def produce(cfg, topic: str, payloads: list[tuple[str, bytes]]) -> float:
-    """Send every payload (pipelined, acks awaited); returns the wall time of the first send."""
+async def produce(cfg, topic: str, payloads: list[tuple[str, bytes]]) -> tuple[float, float]:
+    """Send every payload (pipelined, acks awaited); returns the wall times of the first send and the last ack."""
     async with Producer(cfg.kafka, client_id="bench-producer") as producer:
         t0 = time.time()
         futs = [await producer.enqueue_raw(topic, value, key=key) for key, value in payloads]
         await asyncio.gather(*futs)
-    return t0
+        return t0, time.time()
 
 
 # -- raw consumer child -------------------------------------------------------------------------------------
@@ -132,13 +139,37 @@ async def measure_raw(cfg, payloads: list[tuple[str, bytes]], meter: CpuMeter) -
     assert child.stdout is not None
     line = await asyncio.wait_for(child.stdout.readline(), 60)
     assert line.strip() == b"ready", line
-    meter.start(child.pid)
-    t0 = await produce(cfg, topic, payloads)
+    meter.start(child=child.pid)
+    t0, t_acked = await produce(cfg, topic, payloads)
     line = await asyncio.wait_for(child.stdout.readline(), 300)
     cpu = meter.stop()
     await child.wait()
     t_end = float(line.split()[1])
-    return len(payloads) / (t_end - t0), cpu
+    return len(payloads) / (t_end - t0), cpu, t_end - t_acked
+
+
+# -- batches reader child -----------------------------------------------------------------------------------
+
+async def batch_reader(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: int, max_partition_bytes: int) -> None:
+    """Reads ``topic`` (partition 0) from the start until ``n`` episodes are in the batches read."""
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="bench-batches", group_id=None,
+                              enable_auto_commit=False, fetch_max_bytes=52428800,
+                              fetch_max_wait_ms=fetch_max_wait_ms, max_partition_fetch_bytes=max_partition_bytes)
+    await reader.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        reader.assign([tp])
+        reader.seek(tp, 0)
+        print("ready", flush=True)
+        got, batches = 0, 0
+        while got < n:
+            for records in (await reader.getmany(timeout_ms=500)).values():
+                for rec in records:
+                    got += len(msgpack.unpackb(rec.value, raw=False)["episode_ids"])
+                    batches += 1
+        print(f"done {time.time():.6f} {got} {batches}", flush=True)
+    finally:
+        await reader.stop()
 
 
 # -- buffer path ----------------------------------------------------------------------------------------------
@@ -152,7 +183,7 @@ async def wait_for_log(path: Path, pattern: str, proc: subprocess.Popen, timeout
 
 
 async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path,
-                         meter: CpuMeter) -> tuple[float, int, dict]:
+                         meter: CpuMeter) -> tuple[float, int, dict, float]:
     cfg_path = workdir / "buffer.yaml"
     cfg_path.write_text(dump_config(cfg))
     log_path = workdir / "buffer.log"
@@ -160,36 +191,40 @@ async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path,
         proc = subprocess.Popen(  # noqa: ASYNC220
             [sys.executable, "-m", "streamforge", "run", "buffer", "--config", str(cfg_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        await wait_for_log(log_path, r"partitions assigned \[0, 1, 2, 3\]", proc, 90)
-        reader = AIOKafkaConsumer(**client_kwargs(cfg.kafka, client_id="bench-batches"), group_id=None,
-                                  enable_auto_commit=False, fetch_max_bytes=52428800,
-                                  fetch_max_wait_ms=cfg.kafka.fetch_max_wait_ms,
-                                  max_partition_fetch_bytes=cfg.kafka.max_message_bytes + 65536)
-        await reader.start()
+        # the line the buffer logs once its assignment handling (recovery included) is done, not the one it logs
+        # when that starts: started then, the producer's first records made the buffer scan its outputs inside
+        # the measurement (0.75 s at fetch_max_wait_ms=50, 2.2 s at 500)
+        await wait_for_log(log_path, r"assigned \[0, 1, 2, 3\];", proc, 90)
+        reader = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--batch-reader", cfg.kafka.bootstrap, cfg.names.batches, str(len(payloads)),
+            str(cfg.kafka.fetch_max_wait_ms), str(cfg.kafka.max_message_bytes + 65536),
+            stdout=asyncio.subprocess.PIPE, cwd=ROOT,
+        )
         try:
-            tp = TopicPartition(cfg.names.batches, 0)
-            reader.assign([tp])
-            reader.seek(tp, 0)
-            meter.start(proc.pid)
+            assert reader.stdout is not None
+            line = await asyncio.wait_for(reader.stdout.readline(), 60)
+            assert line.strip() == b"ready", line
+            meter.start(child=proc.pid, reader=reader.pid)
             sending = asyncio.ensure_future(produce(cfg, cfg.names.episodes, payloads))
-            got, batches = 0, 0
+            done = asyncio.ensure_future(reader.stdout.readline())
             deadline = time.monotonic() + 300
-            while got < len(payloads):
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"only {got} episodes batched:\n{log_path.read_text()[-3000:]}")
-                for records in (await reader.getmany(timeout_ms=500)).values():
-                    for rec in records:
-                        got += len(msgpack.unpackb(rec.value, raw=False)["episode_ids"])
-                        batches += 1
-            t_end = time.time()
+            while not done.done():  # the buffer's health, checked while the reader reads
+                await asyncio.wait([done], timeout=0.5)
+                if not done.done() and (time.monotonic() > deadline or proc.poll() is not None):
+                    done.cancel()
+                    raise RuntimeError(f"episodes not all batched:\n{log_path.read_text()[-3000:]}")
             cpu = meter.stop()
-            t0 = await sending
+            t0, t_acked = await sending
+            _, t_end, _, batches = done.result().split()
+            t_end, batches = float(t_end), int(batches)
         finally:
-            await reader.stop()
+            if reader.returncode is None:
+                reader.kill()
+            await reader.wait()
     finally:
         proc.terminate()
         proc.wait(30)
-    return len(payloads) / (t_end - t0), batches, cpu
+    return len(payloads) / (t_end - t0), batches, cpu, t_end - t_acked
 
 
 async def run(args: argparse.Namespace) -> dict:
@@ -224,6 +259,7 @@ async def run(args: argparse.Namespace) -> dict:
                 "buffer_episodes_per_s": [round(b[0], 1) for b in bufs], "batches": bufs[0][1],
                 "pair_ratios": [round(x, 3) for x in pair_ratios],
                 "cpu_s_raw": [r[1] for r in raws], "cpu_s_buffer": [b[2] for b in bufs],
+                "after_last_ack_s": {"raw": [round(r[2], 3) for r in raws], "buffer": [round(b[3], 3) for b in bufs]},
                 "cpu_efficiency_vs_raw": round(statistics.median(cpu_ratios), 3),
                 "ratio": statistics.median(pair_ratios)}
     finally:
@@ -233,6 +269,9 @@ async def run(args: argparse.Namespace) -> dict:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--raw-consumer":
         asyncio.run(raw_consumer(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--batch-reader":
+        asyncio.run(batch_reader(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=16000)

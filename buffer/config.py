@@ -43,6 +43,7 @@ class BufferConfig:
     max_pending_episodes: int = 4096
     dedup_window: int = 200_000  # decided episode ids remembered for deduplication
     poll_max_records: int = 1000  # records per fetch
+    fetch_min_bytes: int = 1  # the episodes consumer's fetch waits for this much (or kafka.fetch_max_wait_ms)
     recovery_skew_s: float = 10.0  # clock skew allowed between hosts when recovering (widens the scan)
     commit_interval_s: float = 0.2  # commit episode offsets at most this often (and on drain)
     # compression of the buffer's own records (batches, drops); empty = kafka.compression. Not lz4 by default:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import os
 import socket
 import time
@@ -154,7 +155,8 @@ class BufferRole(Service):
         if self.cfg.max_batches_ahead > 0:
             self._batch_hw = await highwaters(kafka, self.names.batches)
         self.consumer = Consumer(kafka, [self.names.episodes], group_id=self.names.buffers_group, expect=Episode,
-                                 client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self))
+                                 client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self),
+                                 fetch_min_bytes=self.cfg.fetch_min_bytes)
         await self.consumer.start()
         log.info("buffer %s started (latest policy version %s)", self.buffer_id, self.latest_version)
 
@@ -190,9 +192,10 @@ class BufferRole(Service):
     async def _consume_loop(self) -> None:
         """Consumes ``episodes`` (buffers' group); publishes batches and drops; commits finished offsets.
 
-        Waits on the consumer's fetch for at most ``poll_ms`` (so group and batch timers fire without records);
-        while ``held >= max_pending_episodes`` it does not fetch and only waits for those timers (acknowledgements,
-        group timeouts, partial-batch deadlines or the trainer's progress free room). Each iteration holds the
+        Waits on the consumer's fetch for at most ``poll_ms``, and no later than the state's next timer deadline
+        (so a partial batch or a group timeout fires on time without records); while ``held >=
+        max_pending_episodes`` it does not fetch and only waits for those timers (acknowledgements, group
+        timeouts, partial-batch deadlines or the trainer's progress free room). Each iteration holds the
         lock so a rebalance callback never interleaves with a half-published decision. Runs until cancelled; any
         error ends the role.
         """
@@ -202,11 +205,12 @@ class BufferRole(Service):
             room = self.cfg.max_pending_episodes - self.state.held
             epoch = self._epoch
             records: list[Received] = []
+            wait_ms = self._wait_ms(poll_ms)
             if room > 0 and not self._draining:
-                records = await self.consumer.getmany(timeout_ms=poll_ms,
+                records = await self.consumer.getmany(timeout_ms=wait_ms,
                                                       max_records=min(room, self.cfg.poll_max_records))
             else:
-                await asyncio.sleep(poll_ms / 1000)  # paused: only the timers can free room
+                await asyncio.sleep(wait_ms / 1000)  # paused: only the timers can free room
             async with self._lock:
                 if self._listener_error is not None:
                     raise RuntimeError(f"rebalance handling failed: {self._listener_error!r}") from self._listener_error
@@ -218,6 +222,16 @@ class BufferRole(Service):
                 await self._commit()
                 self._backpressure()
             self._report()
+
+    def _wait_ms(self, poll_ms: int) -> int:
+        """How long the loop may wait for records: ``poll_ms``, cut to the state's next timer deadline (+1 ms, so
+        the deadline has passed when the loop looks). A deadline already past (a due batch held back by
+        ``max_batches_ahead``) does not shorten it: only the trainer's progress or new records change that."""
+        deadline = self.state.next_deadline()
+        if deadline is None:
+            return poll_ms
+        left = deadline - time.monotonic()
+        return poll_ms if left <= 0 else min(poll_ms, math.ceil(left * 1000) + 1)
 
     async def _policy_loop(self) -> None:
         """Watches the NATS KV ``latest`` PolicyVersion; updates ``latest_version`` (used by the stale filter).
@@ -399,6 +413,8 @@ class BufferRole(Service):
             committed = {tp: await self.consumer.committed(tp) for tp in tps}
             since = await committed_since_ms(self.config.kafka, committed, self.cfg.recovery_skew_s)
             if since is None:
+                log.info("buffer %s: assigned %s; nothing to recover (no record at the committed offsets)",
+                         self.buffer_id, sorted(tp.partition for tp in tps))
                 return
             found = await read_decided(self.config.kafka, batches_topic=self.names.batches,
                                        drops_topic=self.names.drops, since_ms=since)

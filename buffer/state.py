@@ -148,6 +148,16 @@ class BufferState:
     def is_decided(self, episode_id: str) -> bool:
         return episode_id in self._decided
 
+    def next_deadline(self) -> float | None:
+        """The earliest time a timer rule (4, 6) may decide something: the oldest pending group's timeout or a
+        partition's partial-batch wait; None when neither is running. Valid after ``take_decisions``, which
+        removes complete groups from ``groups`` (so its first, oldest group is pending)."""
+        times = [p.ready_since + self.cfg.max_batch_wait_s for p in self.parts.values() if p.ready]
+        oldest = next(iter(self.groups.values()), None)
+        if oldest is not None:
+            times.append(oldest.first_seen + self.cfg.group_timeout_s)
+        return min(times, default=None)
+
     def committable(self) -> dict[int, int]:
         """Per partition: the next offset a restarted consumer must read (rule 8)."""
         return {p: (min(t.held) if t.held else t.next_offset) for p, t in self.parts.items()}

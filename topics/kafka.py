@@ -282,7 +282,9 @@ class Consumer:
                  expect: type | None = None, client_id: str = "",
                  partitions: list[TopicPartition] | None = None,
                  listener: ConsumerRebalanceListener | None = None,
-                 auto_offset_reset: str = "earliest") -> None:
+                 auto_offset_reset: str = "earliest", fetch_min_bytes: int = 1) -> None:
+        """``fetch_min_bytes``: the broker holds a fetch until that much is there (or ``kafka.fetch_max_wait_ms``
+        runs out): fewer, larger fetches for a consumer that reads a stream in bulk."""
         self.cfg = cfg
         self.topics = list(topics)
         self.group_id = group_id
@@ -300,6 +302,7 @@ class Consumer:
             heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             max_poll_interval_ms=cfg.max_poll_interval_ms,
             fetch_max_wait_ms=cfg.fetch_max_wait_ms,
+            fetch_min_bytes=fetch_min_bytes,
         )
         self._started = False
         self._stopped = False

@@ -121,6 +121,19 @@ def test_partial_batch_after_wait_and_on_final():
     assert d.group_ids == ["b"]
 
 
+def test_next_deadline_is_the_earliest_timer():
+    s = BufferState(cfg(groups_per_batch=2, max_batch_wait_s=5.0, group_timeout_s=10.0))
+    assert s.next_deadline() is None  # nothing held: no timer
+    feed(s, [ep("a", 0)], now=1.0)  # pending group: its timeout
+    s.take_decisions(now=1.0, latest_version=0)
+    assert s.next_deadline() == 11.0
+    feed(s, [ep("b", 0), ep("b", 1)], start=1, now=2.0)  # b scored, waiting for a second group
+    s.take_decisions(now=2.0, latest_version=0)
+    assert s.next_deadline() == 7.0
+    (d,) = s.take_decisions(now=7.0, latest_version=0)  # the partial batch is due then
+    assert d.group_ids == ["b"] and s.next_deadline() == 11.0
+
+
 def test_batches_stay_within_a_partition_and_are_deterministic():
     def run(order):
         s = BufferState(cfg())
