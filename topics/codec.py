@@ -11,8 +11,8 @@ Format (documented so any msgpack reader can decode it):
 order (dims as uint32, ``data`` as bin32), then the plain fields. It assembles the bytes itself, so tensor bytes
 are copied once, straight into the message; the plain fields are packed by msgspec's msgpack encoder (the same
 bytes msgpack-python writes, at a third of the cost). ``decode`` reads a message whose head is canonical with one
-typed msgspec decode into a per-schema wire struct (every field's type, each tensor's dtype, rank and dims checked
-in C): tensors become read-only ``np.frombuffer`` views of the message bytes (zero copy; a decoded message keeps
+typed msgspec decode into the schema's wire twin (every field's type, each tensor's dtype, rank and dims checked
+in C; see ``_wire_twin``): tensors become read-only ``np.frombuffer`` views of the message bytes (zero copy; a decoded message keeps
 the bytes it came from alive, and a view need not be aligned to its dtype, which numpy and torch handle;
 ``np.array(view)`` copies). Whatever that typed decode refuses, and any message whose head is not canonical, goes
 through the generic path, ``msgpack.unpackb`` plus ``from_wire``, which gives the verdict: the typed decode only
@@ -149,12 +149,12 @@ def _tensor_wire(cls: type, spec: _FieldSpec) -> type:
 def _wire_twin(cls: type, specs: tuple[_FieldSpec, ...]) -> type:
     """The type msgspec decodes one message of ``cls`` into: a slots dataclass with exactly ``cls``'s fields in
     ``cls``'s order (so the same slot layout), each tensor field a ``_tensor_wire`` struct and every other field
-    of its schema type. The decoder sets the fields without calling ``__init__``; ``_canonical_fields`` then puts
-    each tensor's array in its slot and makes the object a ``cls`` (``__class__`` assignment, which Python allows
-    between classes of the same slot layout). Every field is required: the encoder writes them all, and a message
+    of its schema type. The decoder sets the fields without calling ``__init__``; the plan's generated ``finish``
+    (``topics/codegen.py``) then puts each tensor's array in its slot and makes the object a ``cls`` (``__class__``
+    assignment, which Python allows between classes of the same slot layout). Every field is required: the encoder writes them all, and a message
     that leaves one out (to its default) reads through the generic path. ``schema`` and ``v`` are not fields:
     the canonical head names them, and a later duplicate of either goes to the generic path (see
-    ``_canonical_fields``)."""
+    ``_canonical_message``)."""
     hints = typing.get_type_hints(cls)
     return dataclasses.make_dataclass(
         f"{cls.__name__}Wire",
