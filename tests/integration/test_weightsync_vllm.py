@@ -90,6 +90,11 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         async with asyncio.timeout(60):
             while engine.tokens_out < 24:
                 await asyncio.sleep(0.005)
+        # the trainer started after the generator's first heartbeat: it knows g0 from the next one (a round
+        # targets the members known when it starts; on a quiet machine the tokens above came first)
+        async with asyncio.timeout(gloo.heartbeat_s * 5):
+            while "g0" not in pub.members():
+                await asyncio.sleep(0.05)
         pv = await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
         assert pv.transport == "gloo" and pv.address == pub.address
         assert pub.counters["fenced"] == 0 and pub.members()["g0"]["acked_version"] == 1
