@@ -41,6 +41,17 @@ from certs import make_certs
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 
+async def wait_for_port(port: int, *, tries: int, delay_s: float) -> None:
+    """Until something accepts a TCP connection on 127.0.0.1:``port`` (at most ``tries`` attempts)."""
+    for _ in range(tries):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            return
+        except OSError:
+            await asyncio.sleep(delay_s)
+
+
 @contextlib.asynccontextmanager
 async def nats_server(tmp_path: Path, *args: str, scheme: str = "nats", ready_url: str | None = None):
     port = free_port()
@@ -48,13 +59,7 @@ async def nats_server(tmp_path: Path, *args: str, scheme: str = "nats", ready_ur
                              str(tmp_path / f"js{port}"), *args], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
-        for _ in range(100):  # wait for the port (readiness by protocol needs the credentials under test)
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
+        await wait_for_port(port, tries=100, delay_s=0.05)  # readiness by protocol needs the credentials under test
         yield f"{scheme}://127.0.0.1:{port}"
     finally:
         proc.terminate()
@@ -140,13 +145,7 @@ async def tansu_with(*args: str, scheme: str = "tcp"):
         tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url, *args,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
     try:
-        for _ in range(200):
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.02)
+        await wait_for_port(port, tries=200, delay_s=0.02)
         yield f"127.0.0.1:{port}"
     finally:  # not proc.wait() in a blocking call: a client socket still open at SIGTERM holds Tansu for 5 s
         proc.terminate()
