@@ -21,8 +21,8 @@ Runs come in (raw, buffer) pairs measured back to back, the order alternating (r
 each run on brokers of its own (Tansu's memory store slows as it fills, so on one shared broker the later run of
 a pair paid for the earlier ones' data); the reported ratio is the median over the pairs, which damps the load
 drift of a shared machine. The default 64,000 episodes make the buffer's fixed tail (the last, partial batches
-wait ``max_batch_wait_s``, 0.5 s here) a small part of a run: at 16,000 the raw path took about 1.1 s in all. The detail
-line also gives the CPU seconds of this process, the broker and the children per run (``child``: the raw consumer
+wait ``max_batch_wait_s``, 0.5 s here) a small part of a run: at 16,000 the raw path took about 1.1 s in all.
+The detail line also gives the CPU seconds of this process, the broker and the children per run (``child``: the raw consumer
 or the buffer; ``reader``: the batches reader), ``after_last_ack_s`` (seconds from the producer's last
 acknowledgement to the end of the measurement: the pipeline's tail, which for the buffer includes the
 ``max_batch_wait_s`` of the last, partial, batches), and

@@ -153,9 +153,9 @@ class EmbeddedBrokers:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self.data_dir / f"{name}.log", "ab") if self.log_to_files else contextlib.nullcontext(  # noqa: SIM115
-            subprocess.DEVNULL)
-        with log_file as out:  # the child has its own copy of the descriptor; the parent's is closed here
+        log_path = self.data_dir / f"{name}.log"
+        # the child has its own copy of the log's descriptor; the parent's is closed when Popen returns
+        with open(log_path, "ab") if self.log_to_files else contextlib.nullcontext(subprocess.DEVNULL) as out:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})}, start_new_session=True,

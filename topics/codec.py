@@ -181,7 +181,7 @@ class _Plan:
         self.head = _map_header(self.count) + self.head_key
         self.decoder = msgspec.msgpack.Decoder(_wire_twin(cls, specs))
         self.encode = codegen.encoder(
-            cls.SCHEMA, self.head,
+            self.head,
             [codegen.TensorWrite(t.spec.name, t.spec.ndim, t.prefix, t.head.pack, t.spec.np_dtype,
                                  t.spec.np_dtype.itemsize) for t in self.tensors],
             self.plain_names, as_tensor=_as_tensor, tensor_head=_tensor_head, data_key=_DATA_BIN32, pack=_pack,

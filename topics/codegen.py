@@ -47,7 +47,7 @@ def _compile(fname: str, lines: list[str], namespace: dict[str, Any]) -> Callabl
     return fn
 
 
-def encoder(schema: str, head: bytes, tensors: Sequence[TensorWrite], plain: Sequence[str], *,
+def encoder(head: bytes, tensors: Sequence[TensorWrite], plain: Sequence[str], *,
             as_tensor: Callable[..., Any], tensor_head: Callable[..., bytes], data_key: bytes,
             pack: Callable[[Any], bytes], ndarray: type) -> Callable[[Any, bool], bytes]:
     """``encode(msg, convert) -> bytes``: the head, each tensor's head and bytes, then the plain fields packed as
