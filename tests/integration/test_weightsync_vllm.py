@@ -83,6 +83,13 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         pub = WeightPublisher(gloo, nc=nc_t, names=names, run_dir=run_config.run_dir)
         await pub.start()
 
+        # the trainer started after the generator's first heartbeat: it knows g0 from the next one (a round
+        # targets the members known when it starts). Waited for before any request starts, so the requests
+        # below are still in flight when version 1 arrives, however fast the machine samples.
+        async with asyncio.timeout(gloo.heartbeat_s * 5):
+            while "g0" not in pub.members():
+                await asyncio.sleep(0.05)
+
         # requests in flight while version 1 arrives
         sampling = Sampling(max_tokens=200, temperature=1.0, seed=3)
         gens = [asyncio.create_task(engine.generate(PROMPTS[i % 3], 4, sampling, request_id=f"r{i}"))
@@ -90,11 +97,6 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         async with asyncio.timeout(60):
             while engine.tokens_out < 24:
                 await asyncio.sleep(0.005)
-        # the trainer started after the generator's first heartbeat: it knows g0 from the next one (a round
-        # targets the members known when it starts; on a quiet machine the tokens above came first)
-        async with asyncio.timeout(gloo.heartbeat_s * 5):
-            while "g0" not in pub.members():
-                await asyncio.sleep(0.05)
         pv = await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
         assert pv.transport == "gloo" and pv.address == pub.address
         assert pub.counters["fenced"] == 0 and pub.members()["g0"]["acked_version"] == 1
