@@ -4,7 +4,8 @@ One run, two measurements with the same topology, each on embedded brokers (Tans
 alone:
 
 * raw:    this process produces the encoded episodes (the same bytes, keyed by group_id) to a topic; a child
-          process consumes them with a plain aiokafka consumer (no decoding). Episodes/s = N / (time from the
+          process consumes them with a plain aiokafka consumer (no decoding) with the buffer's consumer settings
+          (``kafka.fetch_max_wait_ms``, ``buffer.fetch_min_bytes``, ``buffer.poll_max_records``). Episodes/s = N / (time from the
           first send to the child's last record).
 * buffer: this process produces the same bytes to the run's ``episodes`` topic; a child process runs the buffer
           (``streamforge run buffer``: decode, dedup, group, advantages, build and publish Batches, commit);
@@ -110,9 +111,10 @@ async def produce(cfg, topic: str, payloads: list[tuple[str, bytes]]) -> tuple[f
 
 # -- raw consumer child -------------------------------------------------------------------------------------
 
-async def raw_consumer(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: int) -> None:
+async def raw_consumer(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: int, fetch_min_bytes: int,
+                       max_records: int) -> None:
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                fetch_max_wait_ms=fetch_max_wait_ms,
+                                fetch_max_wait_ms=fetch_max_wait_ms, fetch_min_bytes=fetch_min_bytes,
                                 fetch_max_bytes=52428800, max_partition_fetch_bytes=16 * 1024 * 1024)
     await consumer.start()
     try:
@@ -125,7 +127,7 @@ async def raw_consumer(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: in
         print("ready", flush=True)
         got, nbytes = 0, 0
         while got < n:
-            batches = await consumer.getmany(timeout_ms=500, max_records=2000)
+            batches = await consumer.getmany(timeout_ms=500, max_records=max_records)
             for records in batches.values():
                 got += len(records)
                 nbytes += sum(len(r.value) for r in records)
@@ -138,7 +140,7 @@ async def measure_raw(cfg, payloads: list[tuple[str, bytes]], meter: CpuMeter) -
     topic = cfg.names.episodes
     child = await asyncio.create_subprocess_exec(
         sys.executable, __file__, "--raw-consumer", cfg.kafka.bootstrap, topic, str(len(payloads)),
-        str(cfg.kafka.fetch_max_wait_ms),
+        str(cfg.kafka.fetch_max_wait_ms), str(cfg.buffer.fetch_min_bytes), str(cfg.buffer.poll_max_records),
         stdout=asyncio.subprocess.PIPE, cwd=ROOT,
     )
     assert child.stdout is not None
@@ -259,7 +261,7 @@ async def run(args: argparse.Namespace) -> dict:
     ]
 
     async def raw(brokers: EmbeddedBrokers, meter: CpuMeter) -> tuple:
-        cfg = make_config(brokers, "benchraw", workdir / f"raw{r}")
+        cfg = make_config(brokers, "benchraw", workdir / f"raw{r}", buffer_overrides)  # same consumer settings
         await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
         return await measure_raw(cfg, payloads, meter)
 
@@ -287,7 +289,7 @@ async def run(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--raw-consumer":
-        asyncio.run(raw_consumer(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+        asyncio.run(raw_consumer(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:8])))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--batch-reader":
         asyncio.run(batch_reader(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])))
