@@ -192,7 +192,7 @@ class PolicyVersion:
 
     version: int
     step: int
-    transport: str = "none"  # "nccl" | "gloo" | "file" | "none" (initial weights from the model path)
+    transport: str = "none"  # "nccl" | "torch-nccl" | "gloo" | "file" | "none" (initial weights from the model path)
     path: str = ""  # HF dir or safetensors file for the "file" transport and for late joiners
     address: str = ""  # host:port of the trainer's weight-transfer rendezvous, for collective transports
     trainer_id: str = ""

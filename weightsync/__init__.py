@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from weightsync.config import WeightSyncConfig
+from weightsync.config import COLLECTIVE_TRANSPORTS, WeightSyncConfig
 
 WORKER_EXTENSION = "weightsync.worker.WeightSyncWorkerExtension"
 
@@ -25,7 +25,7 @@ WORKER_EXTENSION = "weightsync.worker.WeightSyncWorkerExtension"
 def vllm_args(cfg: WeightSyncConfig) -> dict[str, Any]:
     """Extra ``AsyncEngineArgs`` for a generator that follows ``cfg``'s transport."""
     args: dict[str, Any] = {"worker_extension_cls": WORKER_EXTENSION}
-    if cfg.resolved_transport() in ("gloo", "nccl"):
+    if cfg.resolved_transport() in COLLECTIVE_TRANSPORTS:
         args["weight_transfer_config"] = {"backend": "gloo"}
     return args
 

@@ -1,24 +1,28 @@
-"""Point-to-point weight pushes over torch.distributed process groups, one 2-rank group per generator.
+"""Point-to-point weight pushes over 2-rank groups, one group per generator.
 
-One code path for both backends: ``gloo`` (CPU tensors, any host) and ``nccl`` (CUDA tensors: the trainer's
-snapshot buckets on its GPU are broadcast straight into buffers on the generator's GPU, no host copy). Only the
-process-group class and the device of the buffers differ; on CPU the same code runs over gloo.
+One code path for three backends: ``gloo`` (CPU tensors, any host), ``nccl`` (vLLM's own NCCL communicator,
+``PyNcclCommunicator``, in ``weightsync/pynccl.py``) and ``torch-nccl`` (torch's ``ProcessGroupNCCL``, for a
+trainer host without vLLM). With either NCCL backend the trainer's snapshot buckets on its GPU are broadcast
+straight into buffers on the generator's GPU, no host copy. Only the group class and the device of the buffers
+differ; on CPU the same code runs over gloo.
 
-Why a pair group per generator and not one group of all of them: generators join, leave and die while the trainer
-runs. A collective over a group with a dead member fails for every member, and re-forming one big group on every
-membership change stalls everyone. A 2-rank group (trainer rank 0, generator rank 1) breaks alone when its
-generator dies; the trainer drops it and the generator forms a new one when it re-joins.
+Why a pair group per generator and not one group of all of them (as vLLM's own ``NCCLWeightTransferEngine``
+makes): generators join, leave and die while the trainer runs. A collective over a group with a dead member fails
+for every member, and re-forming one big group on every membership change stalls everyone. A 2-rank group
+(trainer rank 0, generator rank 1) breaks alone when its generator dies; the trainer drops it and the generator
+forms a new one when it re-joins.
 
 Rendezvous: the trainer runs one ``TCPStore`` server (``Rendezvous``); each pair uses a ``PrefixStore`` named by a
 session string both sides know (the generator's join message), so pairs never mix keys. Every call here is bounded
-by the timeout given at group creation, so no caller can hang on a dead peer: gloo raises after it; NCCL groups are
-made with ``TORCH_NCCL_BLOCKING_WAIT=1`` (``wait()`` blocks the calling thread and raises at the timeout) and
+by the timeout given at group creation, so no caller can hang on a dead peer: gloo raises after it; ``nccl`` pairs
+poll a CUDA event until the timeout, then abort the communicator (``weightsync/pynccl.py``); ``torch-nccl`` groups
+are made with ``TORCH_NCCL_BLOCKING_WAIT=1`` (``wait()`` blocks the calling thread and raises at the timeout) and
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (a timed-out communicator is aborted, the process lives on), both set only
 if the environment does not set them already.
 
-Status of the NCCL path: written to the same protocol and exercised by a CUDA test
+Status of the NCCL backends: written to the same protocol and exercised by a CUDA test
 (``tests/integration/test_weightsync_collective.py``, skipped without two CUDA devices, since NCCL refuses two
-ranks on one GPU); it has not been run on a GPU yet. The gloo path is the one tested in CI.
+ranks on one GPU); they have not been run on a GPU yet. The gloo path is the one tested in CI.
 
 Messages of one push, all broadcasts from rank 0 (see ``weightsync/wire.py``): a ``PREAMBLE``-byte message with the
 header's length (int64) and the header itself when it fits (else the header follows as its own message), then each
@@ -31,25 +35,18 @@ import datetime
 import logging
 import os
 import time
+from concurrent.futures import Future
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
-from topics.errors import StreamforgeError, TimeoutExpired
+from topics.errors import TimeoutExpired
+from weightsync.config import COLLECTIVE_TRANSPORTS, NCCL_TRANSPORTS
+from weightsync.errors import TransferFailed
+from weightsync.pynccl import PyNcclPair
 from weightsync.wire import Layout, Snapshot
 
 log = logging.getLogger("streamforge.weightsync.collective")
-
-
-class TransferFailed(StreamforgeError):
-    """A weight push over a pair group failed or timed out; the group is unusable afterwards."""
-
-    retriable = True
-
-    def __init__(self, peer: str, detail: str) -> None:
-        super().__init__(f"weight transfer with {peer} failed: {detail}")
-        self.peer = peer
-        self.detail = detail
 
 
 class Rendezvous:
@@ -73,7 +70,8 @@ class Rendezvous:
         self._store = None  # type: ignore[assignment]
 
 
-BACKENDS = ("gloo", "nccl")
+NCCL_BACKENDS = NCCL_TRANSPORTS  # vLLM's PyNcclCommunicator (weightsync/pynccl.py) | torch's ProcessGroupNCCL
+BACKENDS = COLLECTIVE_TRANSPORTS
 
 
 def nccl_usable() -> bool:
@@ -90,13 +88,17 @@ def _gloo_options(host: str, timeout_s: float) -> ProcessGroupGloo._Options:
     return opts
 
 
-def _group(store, rank: int, *, backend: str, host: str, timeout_s: float):
-    """A 2-rank process group of ``backend`` on ``store``; every collective on it is bounded by ``timeout_s``."""
+def _group(store, rank: int, *, backend: str, host: str, timeout_s: float, peer: str = "pair",
+           device: torch.device | str | None = None):
+    """A 2-rank group of ``backend`` on ``store``; every collective on it is bounded by ``timeout_s``. ``device``:
+    the CUDA device of an ``nccl`` pair's communicator (default: the calling thread's current one)."""
     if backend == "gloo":
         return ProcessGroupGloo(store, rank, 2, _gloo_options(host, timeout_s))
+    if backend in NCCL_BACKENDS and not nccl_usable():
+        raise TransferFailed(peer, f"the {backend} backend needs a CUDA device and a torch built with NCCL")
     if backend == "nccl":
-        if not nccl_usable():
-            raise TransferFailed("pair", "the nccl backend needs a CUDA device and a torch built with NCCL")
+        return PyNcclPair.connect(store, rank, timeout_s=timeout_s, device=device_of(backend, device), peer=peer)
+    if backend == "torch-nccl":
         from torch.distributed import ProcessGroupNCCL
 
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # wait() blocks this thread, raises at the timeout
@@ -108,34 +110,51 @@ def _group(store, rank: int, *, backend: str, host: str, timeout_s: float):
 
 
 def device_of(backend: str, device: torch.device | str | None = None) -> torch.device:
-    """Where a pair's buffers live: the given CUDA device (default: the current one) for nccl, CPU for gloo."""
-    if backend == "nccl":
+    """Where a pair's buffers live: the given CUDA device (default: the current one) for nccl and torch-nccl, CPU
+    for gloo."""
+    if backend in NCCL_BACKENDS:
         return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def trainer_pair(rdzv: Rendezvous, session: str, *, timeout_s: float, backend: str = "gloo"):
+def trainer_pair(rdzv: Rendezvous, session: str, *, timeout_s: float, backend: str = "gloo",
+                 device: torch.device | str | None = None):
     """Rank 0 of the pair ``session``; blocks until the generator connects or ``timeout_s`` passes."""
     try:
-        return _group(rdzv.store(session), 0, backend=backend, host=rdzv.host, timeout_s=timeout_s)
+        return _group(rdzv.store(session), 0, backend=backend, host=rdzv.host, timeout_s=timeout_s, peer=session,
+                      device=device)
     except RuntimeError as exc:
         raise TransferFailed(session, f"rendezvous: {exc}") from exc
 
 
-def generator_pair(address: str, session: str, *, timeout_s: float, host: str = "", backend: str = "gloo"):
+def generator_pair(address: str, session: str, *, timeout_s: float, host: str = "", backend: str = "gloo",
+                   device: torch.device | str | None = None):
     """Rank 1 of the pair ``session`` against the trainer's store at ``address``; bounded by ``timeout_s``."""
     store_host, _, port = address.rpartition(":")
     try:
         store = TCPStore(store_host, int(port), is_master=False,
                          timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
         local = host or ("127.0.0.1" if store_host in ("127.0.0.1", "localhost") else "")
-        return _group(PrefixStore(f"pair/{session}", store), 1, backend=backend, host=local, timeout_s=timeout_s)
+        return _group(PrefixStore(f"pair/{session}", store), 1, backend=backend, host=local, timeout_s=timeout_s,
+                      peer=address, device=device)
     except (RuntimeError, ValueError) as exc:
         raise TransferFailed(address, f"rendezvous {session}: {exc}") from exc
 
 
+def release(group: Future | None) -> None:
+    """Let go of a pair group (a future of one): an ``nccl`` pair's communicator is aborted, so its GPU memory and
+    NCCL threads go with it; gloo and torch-nccl groups are freed with their last reference."""
+    if group is not None and group.done() and not group.cancelled() and group.exception() is None:
+        pg = group.result()
+        if isinstance(pg, PyNcclPair):
+            pg.abort()
+
+
 def _bcast(pg, tensor: torch.Tensor, peer: str) -> None:
     """Broadcast ``tensor`` from rank 0 and wait (bounded by the group's timeout; see the module docstring)."""
+    if isinstance(pg, PyNcclPair):
+        pg.broadcast(tensor, peer)
+        return
     opts = torch.distributed.BroadcastOptions()
     opts.rootRank = 0
     try:

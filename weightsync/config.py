@@ -6,19 +6,25 @@ from dataclasses import dataclass
 
 from topics.errors import ConfigError
 
+NCCL_TRANSPORTS = ("nccl", "torch-nccl")  # vLLM's PyNcclCommunicator | torch's ProcessGroupNCCL
+COLLECTIVE_TRANSPORTS = ("gloo", *NCCL_TRANSPORTS)  # pushes over a 2-rank group per generator
+TRANSPORTS = ("auto", *COLLECTIVE_TRANSPORTS, "file")
+
 
 @dataclass(kw_only=True, slots=True)
 class WeightSyncConfig:
     """How new weights reach the generators.
 
     ``transport``: ``gloo`` pushes over a 2-rank torch.distributed gloo group per generator (CPU, any host);
-    ``nccl`` over a 2-rank NCCL group per generator, from the trainer's GPU straight into the generator's GPU (the
-    same code as gloo, see ``weightsync/collective.py``; needs CUDA and NCCL on both sides; written and covered by
-    a two-GPU test that has not run in CI yet); ``file`` writes safetensors to ``shared_dir`` and generators
-    ``reload_weights`` from there; ``auto`` = nccl with CUDA, else gloo.
+    ``nccl`` over a 2-rank NCCL pair per generator made of vLLM's own ``PyNcclCommunicator``, from the trainer's
+    GPU straight into the generator's GPU (the same code as gloo, see ``weightsync/collective.py`` and
+    ``weightsync/pynccl.py``; needs CUDA on both sides and vLLM on the trainer's host too); ``torch-nccl`` the same
+    over torch's ``ProcessGroupNCCL`` (a trainer host without vLLM); both NCCL transports are covered by a two-GPU
+    test that has not run yet; ``file`` writes safetensors to ``shared_dir`` and generators ``reload_weights``
+    from there; ``auto`` = nccl with CUDA, else gloo.
     """
 
-    transport: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "gloo" | "file"
+    transport: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "torch-nccl" | "gloo" | "file"
     host: str = "127.0.0.1"  # trainer-side rendezvous host for collective transports (must be reachable)
     port: int = 0  # 0 = a free port
     generator_host: str = ""  # generator-side address for gloo sockets ("" = derived from the trainer host)
@@ -35,8 +41,8 @@ class WeightSyncConfig:
     # copy of the weights in the generator; see weightsync/staging.py); False = reload inside the pause
 
     def __post_init__(self) -> None:
-        if self.transport not in ("auto", "nccl", "gloo", "file"):
-            raise ConfigError("weightsync.transport", "must be auto, nccl, gloo or file")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError("weightsync.transport", f"must be one of {', '.join(TRANSPORTS)}")
         if self.pause_mode not in ("keep", "wait"):
             raise ConfigError("weightsync.pause_mode", "must be 'keep' or 'wait'")
         for key in ("timeout_s", "ack_deadline_s", "join_timeout_s", "heartbeat_s", "member_timeout_s"):

@@ -46,8 +46,8 @@ from topics.errors import CodecError, ConfigError, StaleWriter, StreamforgeError
 from topics.names import Names
 from topics.nats import OnBadMessage, PolicyStore, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
-from weightsync.collective import Rendezvous, device_of, nccl_usable, send_push, trainer_pair
-from weightsync.config import WeightSyncConfig
+from weightsync.collective import Rendezvous, device_of, nccl_usable, release, send_push, trainer_pair
+from weightsync.config import COLLECTIVE_TRANSPORTS, NCCL_TRANSPORTS, WeightSyncConfig
 from weightsync.files import write_version
 from weightsync.members import FENCED_KEY, Member, Registry
 from weightsync.wire import Snapshot, pack
@@ -73,6 +73,7 @@ class _Pair:
     def close(self) -> None:
         self.broken = True
         self.executor.shutdown(wait=False, cancel_futures=True)
+        release(self.group)
 
 
 def _metric(key: str, value: float) -> None:
@@ -119,7 +120,12 @@ class WeightPublisher:
 
     @property
     def collective(self) -> bool:
-        return self.transport in ("gloo", "nccl")
+        return self.transport in COLLECTIVE_TRANSPORTS
+
+    def _pair_device(self):
+        """The CUDA device the NCCL pairs and the snapshots use (the event loop thread's current one); None for
+        the other transports."""
+        return device_of(self.transport) if self.transport in NCCL_TRANSPORTS else None
 
     @property
     def address(self) -> str:
@@ -129,8 +135,8 @@ class WeightPublisher:
     async def start(self) -> None:
         if self._started:
             return
-        if self.transport == "nccl" and not nccl_usable():
-            raise ConfigError("weightsync.transport", "nccl needs a CUDA device and a torch built with NCCL")
+        if self.transport in NCCL_TRANSPORTS and not nccl_usable():
+            raise ConfigError("weightsync.transport", f"{self.transport} needs a CUDA device and a torch built with NCCL")
         self._started = True
         await self.store.start()
         pv, self._rev = await self.store.latest()
@@ -199,7 +205,7 @@ class WeightPublisher:
             raise VersionRegression(f"version {version} is not newer than the published {self.latest_version}")
         self.latest_version = version
         t0 = time.perf_counter()
-        device = device_of(self.transport) if self.transport == "nccl" else "cpu"
+        device = self._pair_device() or "cpu"
         snapshot = pack(named_tensors(), version=version, step=step, bucket_bytes=self.cfg.bucket_bytes,
                         device=device)
         snapshot_s = time.perf_counter() - t0
@@ -356,7 +362,7 @@ class WeightPublisher:
             if self.collective and self._rdzv is not None and msg.reply:  # a plain announcement opens no pair
                 pair = _Pair(session=m.session)
                 pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s,
-                                                  backend=self.transport)
+                                                  backend=self.transport, device=self._pair_device())
                 m.state = pair
                 if self._latest is not None and self._latest.version > mem.version:
                     fut = self._queue_push(pair, m.generator_id, self._latest)

@@ -43,7 +43,7 @@ from topics.names import Names
 from topics.nats import PolicyStore, publish_msg, request_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
 from topics.tracing import context_of_version, link_to
-from weightsync.config import WeightSyncConfig
+from weightsync.config import COLLECTIVE_TRANSPORTS, NCCL_TRANSPORTS, WeightSyncConfig
 from weightsync.members import FENCED_KEY, parse_fenced
 
 log = logging.getLogger("streamforge.weightsync.receiver")
@@ -136,9 +136,11 @@ class WeightReceiver:
         address = reply.address or pv.address
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
+        transport = reply.transport or pv.transport
+        backend = transport if transport in NCCL_TRANSPORTS else "gloo"
         info = {"address": address, "session": f"{msg.generator_id}/{msg.pid}/{msg.created_at:.6f}",
                 "timeout_s": self.cfg.timeout_s, "host": self.cfg.generator_host,
-                "staged": self.cfg.staged_load, "backend": "nccl" if (reply.transport or pv.transport) == "nccl" else "gloo"}
+                "staged": self.cfg.staged_load, "backend": backend}
         await self._rpc(self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                         "init_weight_transfer_engine")
         self._address = address
@@ -187,7 +189,7 @@ class WeightReceiver:
             pause = await self.engine.swap(pv.version, self._file_loader(pv.path), mode=self.cfg.pause_mode)
             await self._ack(pv.version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
             return
-        if pv.transport not in ("gloo", "nccl"):
+        if pv.transport not in COLLECTIVE_TRANSPORTS:
             raise LoadFailed(f"unknown transport {pv.transport!r}")
         if not self._address or self._address != pv.address or await self._fenced():
             pushed = await self._join(pv)

@@ -41,7 +41,15 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
-from weightsync.collective import TransferFailed, _bcast, device_of, generator_pair, recv_push
+from weightsync.collective import (
+    NCCL_BACKENDS,
+    TransferFailed,
+    _bcast,
+    device_of,
+    generator_pair,
+    recv_push,
+    release,
+)
 from weightsync.staging import ShadowModel
 from weightsync.wire import Snapshot
 
@@ -57,7 +65,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     timeout_s: float = 30.0
     host: str = ""  # local address for gloo's sockets ("" = derived from the store address)
     staged: bool = True  # stage each push in a shadow model before the pause (see weightsync/staging.py)
-    backend: str = "gloo"  # the pair group's backend: "gloo" (host buffers) or "nccl" (this worker's GPU)
+    backend: str = "gloo"  # the pair group's backend: "gloo" (host buffers), "nccl" or "torch-nccl" (this worker's GPU)
 
 
 @dataclass
@@ -97,7 +105,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync-io")
         self._info = init_info
         self._pg = self._io.submit(generator_pair, init_info.address, init_info.session,
-                                   timeout_s=init_info.timeout_s, host=init_info.host, backend=init_info.backend)
+                                   timeout_s=init_info.timeout_s, host=init_info.host, backend=init_info.backend,
+                                   device=self._buffer_device())
 
     def _group(self):
         if self._pg is None or self._info is None:
@@ -137,7 +146,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def _buffer_device(self) -> torch.device:
         """Where received buckets land: host memory for gloo, this worker's GPU for nccl."""
         backend = self._info.backend if self._info else "gloo"
-        return device_of(backend, self.device if backend == "nccl" else None)
+        return device_of(backend, self.device if backend in NCCL_BACKENDS else None)
 
     def prefetch(self, version: int) -> None:
         """Start receiving (and staging) the next push in the background; ``update_weights`` picks it up."""
@@ -227,6 +236,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def shutdown_pair(self) -> None:
         """Forget the pair group (the trainer side is dropped with it); a later init re-joins."""
+        release(self._pg)
         self._pg = None
         self._pending = None
 

@@ -16,6 +16,7 @@ import torch
 
 from topics.errors import TimeoutExpired
 from weightsync.collective import (
+    NCCL_BACKENDS,
     Rendezvous,
     TransferFailed,
     generator_pair,
@@ -118,10 +119,10 @@ two_gpus = pytest.mark.skipif(not (nccl_usable() and torch.cuda.device_count() >
                               reason="NCCL pair groups need two CUDA devices (NCCL refuses two ranks on one GPU)")
 
 
-def _nccl_generator(address: str, session: str, mode: str, out: mp.Queue) -> None:
+def _nccl_generator(address: str, session: str, mode: str, backend: str, out: mp.Queue) -> None:
     try:
         torch.cuda.set_device(1)
-        group = generator_pair(address, session, timeout_s=60, backend="nccl")
+        group = generator_pair(address, session, timeout_s=60, backend=backend)
         if mode == "die":
             recv_push(group, device="cuda:1")  # the communicator is up once a first push went through
             out.put("connected")
@@ -134,21 +135,26 @@ def _nccl_generator(address: str, session: str, mode: str, out: mp.Queue) -> Non
         out.put(f"error: {type(exc).__name__}: {exc}")
 
 
-def _spawn_nccl(address: str, session: str, mode: str):
+def _spawn_nccl(address: str, session: str, mode: str, backend: str):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_nccl_generator, args=(address, session, mode, out), daemon=True)
+    proc = ctx.Process(target=_nccl_generator, args=(address, session, mode, backend, out), daemon=True)
     proc.start()
     return proc, out
 
 
+# "nccl" is vLLM's PyNcclCommunicator (weightsync/pynccl.py), "torch-nccl" torch's ProcessGroupNCCL
+nccl_backends = pytest.mark.parametrize("backend", NCCL_BACKENDS)
+
+
 @two_gpus
-def test_nccl_pushes_go_from_gpu_to_gpu_bit_exact():
+@nccl_backends
+def test_nccl_pushes_go_from_gpu_to_gpu_bit_exact(backend):
     torch.cuda.set_device(0)
     rdzv = Rendezvous(timeout_s=60)
-    proc, out = _spawn_nccl(rdzv.address, "n1/1", "ok")
+    proc, out = _spawn_nccl(rdzv.address, "n1/1", "ok", backend)
     try:
-        group = trainer_pair(rdzv, "n1/1", timeout_s=60, backend="nccl")
+        group = trainer_pair(rdzv, "n1/1", timeout_s=60, backend=backend)
         for v in (1, 2):
             snap = pack([(n, t.cuda(0)) for n, t in _named(v)], version=v, step=v, bucket_bytes=40_000,
                         device="cuda:0")
@@ -169,12 +175,13 @@ def test_nccl_pushes_go_from_gpu_to_gpu_bit_exact():
 
 
 @two_gpus
-def test_nccl_peer_killed_mid_push_is_bounded_by_the_timeout():
+@nccl_backends
+def test_nccl_peer_killed_mid_push_is_bounded_by_the_timeout(backend):
     torch.cuda.set_device(0)
     rdzv = Rendezvous(timeout_s=60)
-    proc, out = _spawn_nccl(rdzv.address, "n2/1", "die")
+    proc, out = _spawn_nccl(rdzv.address, "n2/1", "die", backend)
     try:
-        group = trainer_pair(rdzv, "n2/1", timeout_s=10, backend="nccl")
+        group = trainer_pair(rdzv, "n2/1", timeout_s=10, backend=backend)
         send_push(group, pack(_named(0), version=0, step=0, bucket_bytes=40_000, device="cuda:0"))
         assert out.get(timeout=60) == "connected"
         os.kill(proc.pid, signal.SIGKILL)
