@@ -110,10 +110,11 @@ def _group(store, rank: int, *, backend: str, host: str, timeout_s: float, peer:
 
 
 def device_of(backend: str, device: torch.device | str | None = None) -> torch.device:
-    """Where a pair's buffers live: the given CUDA device (default: the current one) for nccl and torch-nccl, CPU
-    for gloo."""
+    """Where a pair's buffers live: the given CUDA device (default, or given without an index: the current one) for
+    nccl and torch-nccl, CPU for gloo."""
     if backend in NCCL_BACKENDS:
-        return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        dev = torch.device(device) if device is not None else torch.device("cuda")
+        return dev if dev.index is not None else torch.device(dev.type, torch.cuda.current_device())
     return torch.device("cpu")
 
 
