@@ -91,30 +91,37 @@ def sasl_refusal(exc: BaseException, mechanism: str) -> str | None:
 
 
 async def check_login(cfg: KafkaConfig) -> str:
-    """Log in once to the first bootstrap broker with ``cfg``'s security settings; raise ``AuthenticationFailed`` if
-    it refuses the login. Returns a note on any other failure (for an unreachable-broker message), else "".
+    """Log in once to a bootstrap broker with ``cfg``'s security settings; raise ``AuthenticationFailed`` if it
+    refuses the login. Returns a note on any other failure (for an unreachable-broker message), else "".
+
+    The bootstrap brokers are tried in order until one answers: the first that completes or refuses the login
+    decides; one that cannot be reached is skipped (as aiokafka's bootstrap skips it).
 
     Needed because aiokafka's bootstrap logs a refused SASL login and raises a bare "Unable to bootstrap", which
     reads like a broker that is not up yet and would be retried for a minute; one bare connection tells them apart."""
     kw = client_kwargs(cfg)
-    host, _, port = cfg.bootstrap.split(",")[0].rpartition(":")
     mechanism = kw.get("sasl_mechanism", "")
-    try:
-        conn = await create_conn(
-            host, int(port), client_id=kw["client_id"], request_timeout_ms=cfg.request_timeout_ms,
-            ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol, sasl_mechanism=mechanism,
-            sasl_plain_username=kw.get("sasl_plain_username"), sasl_plain_password=kw.get("sasl_plain_password"),
-        )
-    except Exception as exc:
-        refusal = sasl_refusal(exc, mechanism)
-        if refusal is not None:
-            raise AuthenticationFailed("kafka", cfg.bootstrap, mechanism=mechanism, user=cfg.sasl_username,
-                                       detail=refusal) from exc
-        if isinstance(exc, KafkaConnectionError):  # raised only once connected: the broker hung up on us
-            return f"the broker accepted the connection and closed it during the {mechanism or 'protocol'} handshake"
+    note = ""
+    for address in (a.strip() for a in cfg.bootstrap.split(",") if a.strip()):
+        host, _, port = address.rpartition(":")
+        try:
+            conn = await create_conn(
+                host, int(port), client_id=kw["client_id"], request_timeout_ms=cfg.request_timeout_ms,
+                ssl_context=kw.get("ssl_context"), security_protocol=cfg.security_protocol, sasl_mechanism=mechanism,
+                sasl_plain_username=kw.get("sasl_plain_username"), sasl_plain_password=kw.get("sasl_plain_password"),
+            )
+        except Exception as exc:
+            refusal = sasl_refusal(exc, mechanism)
+            if refusal is not None:
+                raise AuthenticationFailed("kafka", address, mechanism=mechanism, user=cfg.sasl_username,
+                                           detail=refusal) from exc
+            if isinstance(exc, KafkaConnectionError):  # raised only once connected: the broker hung up on us
+                note = (f"{address} accepted the connection and closed it during the "
+                        f"{mechanism or 'protocol'} handshake")
+            continue
+        conn.close()
         return ""
-    conn.close()
-    return ""
+    return note
 
 
 async def start_with_retries(client: Any, cfg: KafkaConfig, what: str,

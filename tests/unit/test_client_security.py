@@ -96,3 +96,46 @@ async def test_a_refused_login_is_not_retried(monkeypatch: pytest.MonkeyPatch) -
     assert (client.starts, client.stops) == (1, 1)
     assert not err.value.retriable and err.value.user == "trainer" and err.value.mechanism == "SCRAM-SHA-256"
     assert "kafka:9093" in str(err.value) and "kafka-secret" not in str(err.value)
+
+
+async def test_the_login_check_tries_each_bootstrap_broker_until_one_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unreachable first broker is skipped (as aiokafka's bootstrap skips it); the first that answers decides."""
+    from aiokafka.errors import SaslAuthenticationFailed
+
+    from topics import kafka
+    from topics.errors import AuthenticationFailed
+
+    tried: list[str] = []
+    answers: dict[str, Exception | None] = {}
+
+    class Conn:
+        closed = False
+
+        def close(self) -> None:
+            Conn.closed = True
+
+    async def fake_conn(host: str, port: int, **kw: object) -> Conn:
+        tried.append(f"{host}:{port}")
+        exc = answers[f"{host}:{port}"]
+        if exc is not None:
+            raise exc
+        return Conn()
+
+    monkeypatch.setattr(kafka, "create_conn", fake_conn)
+    monkeypatch.setenv("SF_TEST_KAFKA_PASSWORD", "kafka-secret")
+    cfg = KafkaConfig(bootstrap="k1:9093, k2:9093,k3:9093", security_protocol="SASL_PLAINTEXT",
+                      sasl_mechanism="SCRAM-SHA-256", sasl_username="trainer",
+                      sasl_password_env="SF_TEST_KAFKA_PASSWORD")
+    answers.update({"k1:9093": ConnectionRefusedError(111, "refused"),
+                    "k2:9093": SaslAuthenticationFailed("SASL Authentication failed."), "k3:9093": None})
+    with pytest.raises(AuthenticationFailed) as err:
+        await kafka.check_login(cfg)
+    assert tried == ["k1:9093", "k2:9093"] and "k2:9093" in str(err.value)
+
+    tried.clear()
+    answers["k2:9093"] = None
+    assert await kafka.check_login(cfg) == "" and tried == ["k1:9093", "k2:9093"] and Conn.closed
+
+    tried.clear()
+    answers.update({"k2:9093": ConnectionRefusedError(111, "refused"), "k3:9093": TimeoutError()})
+    assert await kafka.check_login(cfg) == "" and tried == ["k1:9093", "k2:9093", "k3:9093"]
