@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future
 
@@ -144,11 +145,12 @@ def generator_pair(address: str, session: str, *, timeout_s: float, host: str = 
 
 def release(group: Future | None) -> None:
     """Let go of a pair group (a future of one): an ``nccl`` pair's communicator is aborted, so its GPU memory and
-    NCCL threads go with it; gloo and torch-nccl groups are freed with their last reference."""
+    NCCL threads go with it; gloo and torch-nccl groups are freed with their last reference. Returns at once (the
+    abort runs on a thread of its own: callers include the trainer's event loop)."""
     if group is not None and group.done() and not group.cancelled() and group.exception() is None:
         pg = group.result()
         if isinstance(pg, PyNcclPair):
-            pg.abort()
+            threading.Thread(target=pg.abort, name=f"pynccl-abort-{pg.peer}", daemon=True).start()
 
 
 def _bcast(pg, tensor: torch.Tensor, peer: str) -> None:
