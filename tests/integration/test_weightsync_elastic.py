@@ -29,6 +29,7 @@ from weightsync.receiver import WeightReceiver
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(420)]
 
 ACK_DEADLINE = 20.0  # both engines share one CPU core here: a CI run saw a live g0 miss 8 s under load
+LAST_CORE = max(os.sched_getaffinity(0))  # g1's core (see the test)
 MEMBER_TIMEOUT = 6.0  # generous: a starved CPU can delay heartbeats by seconds
 
 
@@ -68,8 +69,12 @@ async def test_join_mid_run_sigkill_during_transfer_and_leave(run_config, tiny_d
         "--generator.generator_id=g1", "--generator.max_tokens=32", *ws_args,
         stdout=log, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
         # vLLM binds each CPU engine's OpenMP threads to core 0 by default: g1 sampling without pause there starved
-        # g0's weight load (a CI run saw g0 miss a 20 s ack deadline). g1 gets the last core, as a second host would.
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(max(os.sched_getaffinity(0)))})
+        # g0's weight load (a CI run saw g0 miss a 20 s ack deadline). g1 gets the last core, as a second host would:
+        # its OpenMP threads, and (by affinity, inherited by its engine processes) all the rest of it too, since its
+        # scheduler loop alone took most of a core and starved this process (a CI run saw the trainer here hear no
+        # heartbeat for 23 s and miss g1's ack)
+        preexec_fn=lambda: os.sched_setaffinity(0, {LAST_CORE}),
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(LAST_CORE)})
     engine = Engine(str(tiny_dir), max_model_len=128, extra_args=vllm_args(cfg))
     nc_t = await connect(run_config.nats, name="trainer")
     nc_g = await connect(run_config.nats, name="g0")
