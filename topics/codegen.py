@@ -80,23 +80,27 @@ def encoder(head: bytes, tensors: Sequence[TensorWrite], plain: Sequence[str], *
 
 
 def finisher(cls: type, tensors: Sequence[tuple[str, Any, int]], raw_maps: Sequence[str], *,
-             frombuffer: Callable[..., Any], unpack_map: Callable[[Any], Any],
-             is_str: Callable[[Any], bool]) -> Callable[[Any], Any]:
+             frombuffer: Callable[..., Any], first_byte: Callable[[Any], tuple[int]], bin_payload_at: Sequence[int],
+             unpack_map: Callable[[Any], Any], is_str: Callable[[Any], bool]) -> Callable[[Any], Any]:
     """``finish(twin) -> msg | None``: given what msgspec decoded (the schema's wire twin, see the codec's
     ``_wire_twin``), put each tensor's array in its slot, each raw ``dict[str, Any]`` field's map, and make the
-    object a ``cls``. None where the bytes do not fill a 1-D tensor's shape exactly, or a raw field is not a map
-    with str keys; numpy raises where they do not fill another shape (the caller treats both alike)."""
-    ns: dict[str, Any] = {"cls": cls, "frombuffer": frombuffer, "unpack_map": unpack_map, "is_str": is_str}
+    object a ``cls``. A tensor's ``data`` is its encoded value (a ``msgspec.Raw``), and
+    ``bin_payload_at[first_byte(data)[0]]`` says where its bin payload starts (-1: not a bin). None where it is no
+    bin, the bytes do not fill a 1-D tensor's shape exactly, or a raw field is not a map with str keys; numpy
+    raises where they do not fill another shape (the caller treats both alike)."""
+    ns: dict[str, Any] = {"cls": cls, "frombuffer": frombuffer, "first_byte": first_byte,
+                          "bin_payload_at": bin_payload_at, "unpack_map": unpack_map, "is_str": is_str}
     lines = ["def finish(msg):"]
     for i, (name, dtype, ndim) in enumerate(tensors):
         name = _field(name)
         ns[f"d{i}"] = dtype
-        lines.append(f"    w = msg.{name}")
+        lines += [f"    w = msg.{name}", "    r = w.data", "    o = bin_payload_at[first_byte(r)[0]]", "    if o < 0:",
+                  "        return None"]
         if ndim == 1:
-            lines += [f"    a = frombuffer(w.data, d{i})", "    if len(a) != w.shape[0]:", "        return None",
+            lines += [f"    a = frombuffer(r, d{i}, -1, o)", "    if len(a) != w.shape[0]:", "        return None",
                       f"    msg.{name} = a"]
         else:
-            lines.append(f"    msg.{name} = frombuffer(w.data, d{i}).reshape(w.shape)")
+            lines.append(f"    msg.{name} = frombuffer(r, d{i}, -1, o).reshape(w.shape)")
     for name in raw_maps:
         name = _field(name)
         lines += [f"    v = unpack_map(msg.{name})", "    if type(v) is not dict or not all(map(is_str, v)):",
