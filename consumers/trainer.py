@@ -98,9 +98,9 @@ class TrainerRole(Service):
         self.finished_reason = ""
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    async def serve(self, stop: asyncio.Event | None = None) -> None:
+    async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False) -> None:
         self._stop_event = stop or asyncio.Event()
-        await super().serve(self._stop_event)
+        await super().serve(self._stop_event, freeze_heap=freeze_heap)
 
     async def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,11 +7,17 @@ crashed loop stops the role with a clear message, it never leaves the process ha
 
 ``run_service(service)`` is what ``streamforge run <role>`` calls: uvloop event loop; the first SIGINT/SIGTERM
 drains gracefully (bounded by ``drain_timeout_s``), the second forces exit (code 130); a crashed loop exits 1.
+Once the role has started it collects and freezes the heap (``gc.freeze``): everything start-up made (modules,
+clients, a model) moves to the collector's permanent generation, so its full passes scan only what the loops
+create. In the buffer role the collector scanning the start-up heap again and again had cost about a seventh of
+its CPU. A frozen object is still freed when its last reference goes; only cyclic garbage made before the freeze
+is never reclaimed, and start-up makes that once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -78,10 +84,16 @@ class Service:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def serve(self, stop: asyncio.Event | None = None) -> None:
-        """Start, run every loop supervised until ``stop`` is set or a loop ends, then drain and stop."""
+    async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False) -> None:
+        """Start, run every loop supervised until ``stop`` is set or a loop ends, then drain and stop.
+
+        ``freeze_heap``: once started, collect and ``gc.freeze()`` (module docstring); for a process's main
+        service only (``run_service``), never for services that come and go inside one process."""
         stop = stop or asyncio.Event()
         await self.start()
+        if freeze_heap:
+            gc.collect()
+            gc.freeze()
         tasks = {asyncio.ensure_future(coro): name for name, coro in self.loops().items()}
         stopper = asyncio.ensure_future(stop.wait())
         crash: RoleCrashed | None = None
@@ -143,7 +155,7 @@ def run_service(service: Service, *, use_uvloop: bool = True) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
         try:
-            await service.serve(stop)
+            await service.serve(stop, freeze_heap=True)
         except RoleCrashed as exc:
             print(f"streamforge: {exc}", file=sys.stderr)
             return EXIT_CRASHED

@@ -76,6 +76,19 @@ async def test_a_crashed_loop_stops_the_service_with_a_clear_error() -> None:
     assert svc.stopped == 1 and svc.drained == 0
 
 
+async def test_serve_freezes_the_heap_only_when_asked() -> None:
+    import gc
+
+    before = gc.get_freeze_count()
+    svc = Counting()
+    stop = asyncio.Event()
+    task = asyncio.create_task(svc.serve(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert gc.get_freeze_count() == before  # in-process services (tests, clients) leave the collector alone
+
+
 async def test_a_loop_that_returns_is_a_crash() -> None:
     class Returns(Service):
         def loops(self):  # type: ignore[override]
@@ -89,7 +102,7 @@ async def test_a_loop_that_returns_is_a_crash() -> None:
 
 
 SCRIPT = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, gc, sys
     from streamforge.lifecycle import Service, run_service
 
     class Slow(Service):
@@ -99,6 +112,7 @@ SCRIPT = textwrap.dedent("""
             return {"work": self.work()}
         async def work(self):
             print("ready", flush=True)
+            print(f"frozen {gc.get_freeze_count()}", flush=True)
             while True:
                 if sys.argv[1] == "crash":
                     raise RuntimeError("loop failed")
@@ -120,6 +134,8 @@ def _spawn(tmp_path: Path, mode: str, drain_timeout: float, drain_time: float) -
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if mode != "crash":
         assert proc.stdout.readline().strip() == "ready"
+        frozen = proc.stdout.readline().split()
+        assert frozen[0] == "frozen" and int(frozen[1]) > 1000, frozen  # run_service froze the started heap
     return proc
 
 
