@@ -30,7 +30,14 @@ acknowledgement to the end of the measurement: the pipeline's tail, which for th
 ``max_batch_wait_s`` of the last, partial, batches), and
 ``cpu_efficiency_vs_raw`` (median of raw CPU / buffer CPU): the ratio a machine with idle cores would approach.
 
-Usage: ``python bench/bus.py [--episodes N] [--group-size G] [--prompt-len P] [--response-len R] [--repeats K]``.
+The episodes producer (both paths) sends record batches of aiokafka's default 16 KiB, as the generators do
+(``--producer-batch-bytes`` changes it): at that size a produce request carries about five episodes, and the
+broker's and the producer's cost per request dominate both paths (raw 6,000-8,000 episodes/s). With 1 MiB
+batches the same run moves 45,000-60,000 episodes/s raw and the buffer path is bound by the buffer role's CPU
+(about 23 us an episode against the raw consumer's 5): see the README for what each regime gives.
+
+Usage: ``python bench/bus.py [--episodes N] [--group-size G] [--prompt-len P] [--response-len R] [--repeats K]
+[--producer-batch-bytes B] [--set SECTION.KEY=VALUE ...]``.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ def make_config(brokers: EmbeddedBrokers, prefix: str, run_dir: Path, extra: lis
 
 
 COMMON: list[str] = []  # overrides shared by both paths (--compression, --set)
+PRODUCER_BATCH_BYTES = 0  # the episodes producer's record batch (--producer-batch-bytes; 0: aiokafka's 16 KiB)
 
 
 def cpu_s(pid: int) -> float:
@@ -103,7 +111,7 @@ class CpuMeter:
 
 async def produce(cfg, topic: str, payloads: list[tuple[str, bytes]]) -> tuple[float, float]:
     """Send every payload (pipelined, acks awaited); returns the wall times of the first send and the last ack."""
-    async with Producer(cfg.kafka, client_id="bench-producer") as producer:
+    async with Producer(cfg.kafka, client_id="bench-producer", max_batch_bytes=PRODUCER_BATCH_BYTES) as producer:
         t0 = time.time()
         futs = [await producer.enqueue_raw(topic, value, key=key) for key, value in payloads]
         await asyncio.gather(*futs)
@@ -313,7 +321,12 @@ def main() -> None:
     parser.add_argument("--reader-fetch-min-bytes", type=int, default=1 << 20,
                         help="fetch_min_bytes of the batches reader (it waits at most kafka.fetch_max_wait_ms)")
     parser.add_argument("--compression", default="", help="kafka.compression for both paths (default: config's)")
+    parser.add_argument("--producer-batch-bytes", type=int, default=0,
+                        help="record batch of the episodes producer, both paths (0: aiokafka's 16 KiB, as the "
+                             "generators use)")
     args = parser.parse_args()
+    global PRODUCER_BATCH_BYTES
+    PRODUCER_BATCH_BYTES = args.producer_batch_bytes
     if args.compression:
         COMMON.append(f"--kafka.compression={args.compression}")
     COMMON.extend(f"--{item}" for item in args.set)
