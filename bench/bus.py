@@ -36,8 +36,11 @@ broker's and the producer's cost per request dominate both paths (raw 6,000-8,00
 batches the same run moves 45,000-60,000 episodes/s raw and the buffer path is bound by the buffer role's CPU
 (about 23 us an episode against the raw consumer's 5): see the README for what each regime gives.
 
+``--buffers N`` runs N buffer processes in one consumer group (they split the episodes partitions; the clock
+starts once their assignments have settled), to see the buffer scale out where there are cores for it.
+
 Usage: ``python bench/bus.py [--episodes N] [--group-size G] [--prompt-len P] [--response-len R] [--repeats K]
-[--producer-batch-bytes B] [--set SECTION.KEY=VALUE ...]``.
+[--producer-batch-bytes B] [--buffers N] [--set SECTION.KEY=VALUE ...]``.
 """
 
 from __future__ import annotations
@@ -196,27 +199,49 @@ async def batch_reader(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: in
 
 # -- buffer path ----------------------------------------------------------------------------------------------
 
-async def wait_for_log(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float) -> None:
+_ASSIGNED = re.compile(r"assigned \[([0-9, ]*)\];")
+
+
+async def wait_for_assignment(logs: list[Path], procs: list[subprocess.Popen], partitions: int,
+                              timeout_s: float) -> None:
+    """Until the buffers' latest completed assignments (the line each logs once its assignment handling, recovery
+    included, is done) split the partitions between them, and still do half a second later (no rebalance left).
+    Waiting only for assignment to start, the producer's first records made a buffer scan its outputs inside the
+    measurement (0.75 s at fetch_max_wait_ms=50, 2.2 s at 500)."""
     deadline = time.monotonic() + timeout_s
-    while not re.search(pattern, path.read_text(errors="replace")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"buffer not ready:\n{path.read_text(errors='replace')[-3000:]}")
-        await asyncio.sleep(0.1)
+    settled: list[list[int]] | None = None
+    while True:
+        latest = []
+        for path in logs:
+            found = _ASSIGNED.findall(path.read_text(errors="replace"))
+            latest.append(sorted(int(p) for p in found[-1].split(",") if p.strip()) if found else [])
+        owned = sorted(p for parts in latest for p in parts)
+        if owned == list(range(partitions)) and all(latest):
+            if settled == latest:
+                return
+            settled = latest
+        else:
+            settled = None
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            tails = "\n".join(path.read_text(errors="replace")[-1500:] for path in logs)
+            raise RuntimeError(f"buffers not ready:\n{tails}")
+        await asyncio.sleep(0.5)
 
 
 async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path, meter: CpuMeter,
-                         reader_fetch_min_bytes: int) -> tuple[float, int, dict, float]:
+                         reader_fetch_min_bytes: int, buffers: int = 1) -> tuple[float, int, dict, float]:
+    workdir.mkdir(parents=True, exist_ok=True)
     cfg_path = workdir / "buffer.yaml"
     cfg_path.write_text(dump_config(cfg))
-    log_path = workdir / "buffer.log"
-    with open(log_path, "wb") as log:  # noqa: ASYNC230 (once, before the clock starts)
-        proc = subprocess.Popen(  # noqa: ASYNC220
-            [sys.executable, "-m", "streamforge", "run", "buffer", "--config", str(cfg_path)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    logs = [workdir / f"buffer{i}.log" for i in range(buffers)]
+    procs: list[subprocess.Popen] = []
+    for log_path in logs:  # one consumer group: the buffers split the episodes partitions
+        with open(log_path, "wb") as log:  # noqa: ASYNC230 (before the clock starts)
+            procs.append(subprocess.Popen(  # noqa: ASYNC220
+                [sys.executable, "-m", "streamforge", "run", "buffer", "--config", str(cfg_path)], cwd=ROOT,
+                stdout=log, stderr=subprocess.STDOUT))
     try:
-        # the line the buffer logs once its assignment handling (recovery included) is done, not the one it logs
-        # when that starts: started then, the producer's first records made the buffer scan its outputs inside
-        # the measurement (0.75 s at fetch_max_wait_ms=50, 2.2 s at 500)
-        await wait_for_log(log_path, r"assigned \[0, 1, 2, 3\];", proc, 90)
+        await wait_for_assignment(logs, procs, cfg.topics.episodes_partitions, 90 + 30 * buffers)
         reader = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--batch-reader", cfg.kafka.bootstrap, cfg.names.batches, str(len(payloads)),
             str(cfg.kafka.fetch_max_wait_ms), str(cfg.kafka.max_message_bytes + 65536), str(reader_fetch_min_bytes),
@@ -226,15 +251,17 @@ async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path, 
             assert reader.stdout is not None
             line = await asyncio.wait_for(reader.stdout.readline(), 60)
             assert line.strip() == b"ready", line
-            meter.start(child=proc.pid, reader=reader.pid)
+            children = {"child": procs[0].pid} if buffers == 1 else {f"child{i + 1}": p.pid for i, p in enumerate(procs)}
+            meter.start(**children, reader=reader.pid)
             sending = asyncio.ensure_future(produce(cfg, cfg.names.episodes, payloads))
             done = asyncio.ensure_future(reader.stdout.readline())
             deadline = time.monotonic() + 300
-            while not done.done():  # the buffer's health, checked while the reader reads
+            while not done.done():  # the buffers' health, checked while the reader reads
                 await asyncio.wait([done], timeout=0.5)
-                if not done.done() and (time.monotonic() > deadline or proc.poll() is not None):
+                if not done.done() and (time.monotonic() > deadline or any(p.poll() is not None for p in procs)):
                     done.cancel()
-                    raise RuntimeError(f"episodes not all batched:\n{log_path.read_text()[-3000:]}")
+                    tails = "\n".join(path.read_text(errors="replace")[-1500:] for path in logs)
+                    raise RuntimeError(f"episodes not all batched:\n{tails}")
             cpu = meter.stop()
             t0, t_acked = await sending
             _, t_end, _, batches = done.result().split()
@@ -244,8 +271,10 @@ async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path, 
                 reader.kill()
             await reader.wait()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
     return len(payloads) / (t_end - t0), batches, cpu, t_end - t_acked
 
 
@@ -283,7 +312,8 @@ async def run(args: argparse.Namespace) -> dict:
     async def buf(brokers: EmbeddedBrokers, meter: CpuMeter) -> tuple:
         cfg = make_config(brokers, "benchbuf", workdir / f"buf{r}", buffer_overrides)
         await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
-        return await measure_buffer(cfg, payloads, workdir, meter, args.reader_fetch_min_bytes)
+        return await measure_buffer(cfg, payloads, workdir / f"buf{r}", meter, args.reader_fetch_min_bytes,
+                                    args.buffers)
 
     raws, bufs = [], []
     for r in range(args.repeats):  # pairs back to back, the order alternating, each run on its own fresh brokers
@@ -321,6 +351,8 @@ def main() -> None:
     parser.add_argument("--reader-fetch-min-bytes", type=int, default=1 << 20,
                         help="fetch_min_bytes of the batches reader (it waits at most kafka.fetch_max_wait_ms)")
     parser.add_argument("--compression", default="", help="kafka.compression for both paths (default: config's)")
+    parser.add_argument("--buffers", type=int, default=1,
+                        help="buffer processes sharing the episodes partitions (one consumer group)")
     parser.add_argument("--producer-batch-bytes", type=int, default=0,
                         help="record batch of the episodes producer, both paths (0: aiokafka's 16 KiB, as the "
                              "generators use)")
