@@ -139,11 +139,11 @@ def _wire_type(tp: Any, kind: str) -> Any:
 def _tensor_wire(cls: type, spec: _FieldSpec) -> type:
     """The msgspec Struct of one tensor field: ``{dtype, shape, data}`` with the dtype a literal, the shape a tuple
     of exactly ``ndim`` dims, and no other keys. ``data`` is the value's encoded bytes as a zero-copy
-    ``msgspec.Raw`` (the generated ``finish`` checks it is one msgpack bin, see ``_BIN_PAYLOAD_AT``), not a
-    memoryview (``_BIN_PAYLOAD_AT``): a Raw is no object the cycle collector tracks, where a memoryview and its managed buffer are two,
-    and every array a decoded message keeps holds its bytes' object alive. In the buffer, which holds thousands of
-    episodes, four tensors' eight tracked objects each made the collector's passes about a third of its CPU.
-    The struct is untracked too (``gc=False``: it holds no container that could close a cycle)."""
+    ``msgspec.Raw``, not a memoryview; the generated ``finish`` checks it is one msgpack bin (``_BIN_PAYLOAD_AT``).
+    The arrays of a decoded message keep their bytes alive through it, and a Raw is no object the cycle collector
+    tracks, where a memoryview and its managed buffer are two: in the buffer, which holds thousands of episodes,
+    the eight of an episode's four tensors made the collector's passes about a third of its CPU. The struct is
+    untracked too (``gc=False``: it holds no container that could close a cycle)."""
     return msgspec.defstruct(
         f"{cls.__name__}_{spec.name}_wire",
         [("dtype", Literal[spec.dtype]), ("shape", tuple[(_Dim,) * spec.ndim] if spec.ndim else tuple[()]),
