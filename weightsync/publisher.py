@@ -148,6 +148,7 @@ class WeightPublisher:
                                                  timeout_s=self.cfg.timeout_s)
         self._subs.append(await self.nc.subscribe(self.names.membership_subject, cb=self._on_membership))
         self._subs.append(await self.nc.subscribe(self.names.ack_subject, cb=self._on_ack))
+        await self.nc.flush()  # the server has both subscriptions before start returns: no join or ack is missed
         (self.run_dir / "weightsync").mkdir(parents=True, exist_ok=True)
         log.info("weight publisher %s: transport %s%s, latest version %d", self.trainer_id, self.transport,
                  f" at {self.address}" if self._rdzv else "", self.latest_version)
