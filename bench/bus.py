@@ -32,7 +32,7 @@ acknowledgement to the end of the measurement: the pipeline's tail, which for th
 
 The episodes producer (both paths) sends record batches of aiokafka's default 16 KiB, as the generators do
 (``--producer-batch-bytes`` changes it): at that size a produce request carries about five episodes, and the
-broker's and the producer's cost per request dominate both paths (raw 6,000-8,000 episodes/s). With 1 MiB
+broker's and the producer's cost per request dominate both paths (raw 4,000-8,200 episodes/s). With 1 MiB
 batches the same run moves 45,000-60,000 episodes/s raw and the buffer path is bound by the buffer role's CPU
 (about 23 us an episode against the raw consumer's 5): see the README for what each regime gives.
 
@@ -202,6 +202,11 @@ async def batch_reader(bootstrap: str, topic: str, n: int, fetch_max_wait_ms: in
 _ASSIGNED = re.compile(r"assigned \[([0-9, ]*)\];")
 
 
+def _tails(logs: list[Path]) -> str:
+    """The end of each buffer's log, for an error message."""
+    return "\n".join(path.read_text(errors="replace")[-1500:] for path in logs)
+
+
 async def wait_for_assignment(logs: list[Path], procs: list[subprocess.Popen], partitions: int,
                               timeout_s: float) -> None:
     """Until the buffers' latest completed assignments (the line each logs once its assignment handling, recovery
@@ -223,8 +228,7 @@ async def wait_for_assignment(logs: list[Path], procs: list[subprocess.Popen], p
         else:
             settled = None
         if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
-            tails = "\n".join(path.read_text(errors="replace")[-1500:] for path in logs)
-            raise RuntimeError(f"buffers not ready:\n{tails}")
+            raise RuntimeError(f"buffers not ready:\n{_tails(logs)}")
         await asyncio.sleep(0.5)
 
 
@@ -260,8 +264,7 @@ async def measure_buffer(cfg, payloads: list[tuple[str, bytes]], workdir: Path, 
                 await asyncio.wait([done], timeout=0.5)
                 if not done.done() and (time.monotonic() > deadline or any(p.poll() is not None for p in procs)):
                     done.cancel()
-                    tails = "\n".join(path.read_text(errors="replace")[-1500:] for path in logs)
-                    raise RuntimeError(f"episodes not all batched:\n{tails}")
+                    raise RuntimeError(f"episodes not all batched:\n{_tails(logs)}")
             cpu = meter.stop()
             t0, t_acked = await sending
             _, t_end, _, batches = done.result().split()
