@@ -1,17 +1,17 @@
 """End-to-end benchmark: time to mean reward 0.8 for TRL's GRPOTrainer, streamforge sync and streamforge async.
 
-Same tiny model (``producers/tiny_model.py``, warm-started like the demo), task, group size, learning rate and seed for all three, in one run
+Same tiny model (``models/tiny_model.py``, warm-started like the demo), task, group size, learning rate and seed for all three, in one run
 on one machine. Each system gets a wall-clock budget; time is measured from the first training step (start-up of
 brokers, engines and processes excluded, for all three alike) to the step whose running mean reward (window
 ``--window`` steps) first reaches ``--target``. A system that does not reach the target within its budget reports
 ``null`` for its time (and the reward it reached), and the ratios that need it are ``null``.
 
 * TRL: ``trl.GRPOTrainer`` (install the ``bench`` extra), generation with transformers on CPU, ``beta=0``.
-* streamforge sync: ``streamforge.train`` with ``max_policy_lag=0`` for generators and buffer and at most one
-  batch ahead of the trainer (every batch from the latest weights), and ``trainer.publish_busy: wait`` (the
-  trainer waits for each swap).
-* streamforge async: the demo's settings: generator lag 1, buffer lag 2 with at most 2 batches ahead, and
-  ``publish_busy: skip`` (generation and swaps overlap training).
+* streamforge sync: ``streamforge.train`` with ``staleness.max_versions: 0`` (every batch from the latest weights;
+  the buffer's and generators' bounds derive from it: one batch ahead, no lag) and ``trainer.publish_busy: wait``
+  (the trainer waits for each swap).
+* streamforge async: the demo's settings: ``staleness.max_versions: 2`` and ``publish_busy: skip`` (generation and
+  swaps overlap training).
 
 Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
 the comparison with TRL is of the two systems as configured, the one with sync of asynchrony alone. Its
@@ -58,8 +58,8 @@ def run_trl(model_dir: Path, args: argparse.Namespace, out: Path) -> dict[str, A
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from producers.tasks import get_task
-    from producers.tiny_model import load_tokenizer
+    from models.tasks import get_task
+    from models.tiny_model import load_tokenizer
 
     task = get_task(args.task)
     rng = random.Random(args.seed)
@@ -100,13 +100,12 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     run_dir = out / f"sf-lag{lag}"
     extra = {"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
              "trainer.checkpoint_every": 1000, "buffer.filter_zero_variance": args.filter_zero_variance}
-    if lag == 0:  # sync: every batch from the latest weights, and the trainer waits for each swap
-        extra.update({"buffer.max_policy_lag": 0, "buffer.max_batches_ahead": 1, "trainer.publish_busy": "wait"})
-    else:  # async, as the demo: fresh batches, and the trainer never waits for a swap
-        extra.update({"buffer.max_policy_lag": 2, "buffer.max_batches_ahead": 2, "trainer.publish_busy": "skip"})
+    # sync (lag 0): every batch from the latest weights, the trainer waiting for each swap; async: the demo's
+    # bound (staleness.max_versions 2, the buffer's and generators' bounds derived) and a trainer that never waits
+    extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
                    num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
-                   max_steps=args.max_steps, reward_target=args.target, max_policy_lag=lag, seed=args.seed,
+                   max_steps=args.max_steps, reward_target=args.target, max_staleness=lag, seed=args.seed,
                    extra=extra)
     deadline_rows: list[tuple[float, float]] = []
     result = train(cfg, reward_functions=["toy"], budget_s=args.budget_s)
@@ -134,8 +133,8 @@ def main() -> None:
                    help="streamforge (sync and async alike) drops zero-variance groups, as the demo (TRL does not)")
     args = p.parse_args()
 
-    from consumers.warmstart import warm_start
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
+    from models.warmstart import warm_start
 
     out = Path(tempfile.mkdtemp(prefix="sf-bench-e2e-"))
     model_dir = build_tiny_model(out / "model", seed=args.seed)
@@ -148,7 +147,7 @@ def main() -> None:
     if "sync" in systems:
         res["sync"] = run_streamforge(model_dir, args, out, lag=0)
     if "async" in systems:
-        res["async"] = run_streamforge(model_dir, args, out, lag=1)
+        res["async"] = run_streamforge(model_dir, args, out, lag=2)
     for name, r in res.items():
         print(f"{name:6s} time to {args.target}: {r['seconds']} s  best running reward {r['best_reward']:.3f}  "
               f"steps {r['steps']}")

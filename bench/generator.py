@@ -53,13 +53,13 @@ class BareVLLM:
 
 async def run_generator(cfg, engine, prompts: list, group_size: int) -> tuple[int, float]:
     """Feed ``prompts`` to the topic, run a GeneratorRole until all their Episodes are acked; time it."""
-    from producers.generator import GeneratorRole
+    from streamforge.roles import build_role
     from topics.kafka import Producer
 
     async with Producer(cfg.kafka) as producer:
         for p in prompts:
             await producer.send(cfg.names.prompts, p, key=p.prompt_id)
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     want = len(prompts) * group_size
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
 
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

@@ -66,7 +66,7 @@ def engine(model_dir: Path, device: torch.device, dtype: str, *, max_seq_len: in
 
 
 def part_parity(work: Path) -> dict:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(work / "tiny", seed=0)
     cfg = json.loads((model_dir / "config.json").read_text())

@@ -46,7 +46,7 @@ import torch
 
 def build_model(out: Path, hidden: int, layers: int) -> Path:
     """The tiny model, or (hidden > 0) the same architecture widened: for bandwidth numbers above latency noise."""
-    from producers.tiny_model import MODEL_CONFIG, build_tiny_model
+    from models.tiny_model import MODEL_CONFIG, build_tiny_model
 
     path = build_tiny_model(out, seed=0)
     if hidden <= 0:

@@ -60,11 +60,12 @@ from typing import Any
 from aiokafka.abc import ConsumerRebalanceListener
 from opentelemetry import trace
 
+from buffer.config import BufferConfig
 from buffer.policies import Reason
 from buffer.recovery import committed_since_ms, highwaters, read_decided
 from buffer.state import BufferState, Decision
-from streamforge.config import RunConfig
-from streamforge.lifecycle import Service
+from runtime.context import RoleContext
+from runtime.lifecycle import Service
 from topics.errors import BrokerError, CodecError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
@@ -73,7 +74,7 @@ from topics.tracing import context_from_kafka, link_to
 from weightsync.fencing import FenceView
 
 try:
-    from streamforge.metrics import flush_metrics, record_metric
+    from runtime.metrics import flush_metrics, record_metric
 except ImportError:  # pragma: no cover - metrics are optional
     record_metric = flush_metrics = None  # type: ignore[assignment]
 
@@ -106,11 +107,11 @@ class BufferRole(Service):
 
     name = "buffer"
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, cfg: BufferConfig, ctx: RoleContext) -> None:
         super().__init__()
-        self.config = config
-        self.cfg = config.buffer
-        self.names = config.names
+        self.cfg = cfg
+        self.ctx = ctx
+        self.names = ctx.names
         self.buffer_id = self.cfg.buffer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.state = BufferState(self.cfg, buffer_id=self.buffer_id)
         self.latest_version: int | None = None
@@ -137,15 +138,15 @@ class BufferRole(Service):
 
     # -- lifecycle ----------------------------------------------------------------------------
     async def _start(self) -> None:
-        kafka = self.config.kafka
+        kafka = self.ctx.kafka
         out_cfg = dataclasses.replace(kafka, compression=self.cfg.output_compression or kafka.compression)
         self.producer = Producer(out_cfg, client_id=f"buffer-{self.buffer_id}",
                                  max_batch_bytes=self.cfg.output_batch_bytes)
         await self.producer.start()
         self.dead = DeadLetters(self.producer, self.names, "buffer")
-        self._nc = await connect(self.config.nats, name=f"buffer-{self.buffer_id}")
-        self.store = PolicyStore(self._nc, self.names, history=self.config.nats.kv_history,
-                                 timeout_s=self.config.nats.request_timeout_s)
+        self._nc = await connect(self.ctx.nats, name=f"buffer-{self.buffer_id}")
+        self.store = PolicyStore(self._nc, self.names, history=self.ctx.nats.kv_history,
+                                 timeout_s=self.ctx.nats.request_timeout_s)
         await self.store.start()
         self.fence = FenceView(self._nc, self.names)
         await self.fence.start()
@@ -411,12 +412,12 @@ class BufferRole(Service):
         assert self.consumer is not None
         async with self._lock:
             committed = {tp: await self.consumer.committed(tp) for tp in tps}
-            since = await committed_since_ms(self.config.kafka, committed, self.cfg.recovery_skew_s)
+            since = await committed_since_ms(self.ctx.kafka, committed, self.cfg.recovery_skew_s)
             if since is None:
                 log.info("buffer %s: assigned %s; nothing to recover (no record at the committed offsets)",
                          self.buffer_id, sorted(tp.partition for tp in tps))
                 return
-            found = await read_decided(self.config.kafka, batches_topic=self.names.batches,
+            found = await read_decided(self.ctx.kafka, batches_topic=self.names.batches,
                                        drops_topic=self.names.drops, since_ms=since)
             self.state.remember_decided(found.batched_episodes)
             self.state.remember_decided(found.dropped_episodes, found.incomplete_groups, outcome=Reason.INCOMPLETE)

@@ -3,33 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from topics.errors import ConfigError
+from topics.errors import ConfigError, check_choices
 
 
 @dataclass(kw_only=True, slots=True)
 class TrainerConfig:
     """The training loop: loss, optimizer, schedule, checkpoints, publication of versions."""
 
-    mode: str = "rl"  # "rl" (batches topic) | "sft" (sft topic)
+    mode: Literal["rl", "sft"] = "rl"  # rl = the batches topic; sft = the sft topic
     loss: str = "grpo"  # name registered in consumers.losses
     loss_args: dict[str, Any] = field(default_factory=dict)  # TRL names: epsilon, epsilon_high, beta, delta...
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # "constant" | "cosine" | "linear"
-    grad_clip: float = 1.0
+    lr: float = 3e-4  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
+    warmup_steps: int = 0  # linear warm-up steps of the learning rate
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the warm-up
+    grad_clip: float = 1.0  # max gradient norm (0 = no clipping)
     max_steps: int = 0  # 0 = run as long as batches arrive
     reward_target: float = 0.0  # >0: stop when the running mean reward reaches it
     publish_every: int = 1  # publish a PolicyVersion every k steps
     # a publication falling due while the previous round still waits for generators' acks: "wait" for it (the
     # trainer stalls on the slowest swap) or "skip" (train on; those steps join the next version, published at
     # the first step after the round ended)
-    publish_busy: str = "wait"
-    checkpoint_every: int = 10
-    keep_checkpoints: int = 2
+    publish_busy: Literal["wait", "skip"] = "wait"
+    checkpoint_every: int = 10  # steps between checkpoints
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
     export_hf: bool = True  # an HF dir inside every checkpoint and at <run_dir>/hf at the end
     reward_window: int = 20  # batches in the running mean compared with reward_target
     dedup_window: int = 10_000  # recent batch ids remembered (and checkpointed) to drop redelivered batches
@@ -38,23 +38,20 @@ class TrainerConfig:
     ref_model: str = ""  # HF dir of the frozen reference for beta > 0 (empty = model.path)
     world_size: int = 1  # ranks (torchrun or spawned); gloo on CPU, nccl on GPU
     tp: int = 1  # tensor-parallel degree (divides world_size); the other world_size / tp ranks are data-parallel
-    dtype: str = "float32"
-    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and compute
+    seed: int = 0  # torch seed of the trainer
     # torch's intra-op threads in each rank (0 = torch's default, one per core); for several ranks or roles on one
     # CPU host. The demo keeps 0: there 1 thread made the median step slower (README, "The demo").
     threads: int = 0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("rl", "sft"):
-            raise ConfigError("trainer.mode", "must be 'rl' or 'sft'")
+        check_choices(self, "trainer")
         if self.lr <= 0:
             raise ConfigError("trainer.lr", "must be positive")
         if self.max_steps < 0:
             raise ConfigError("trainer.max_steps", "must be >= 0")
         if self.publish_every < 1:
             raise ConfigError("trainer.publish_every", "must be at least 1")
-        if self.publish_busy not in ("wait", "skip"):
-            raise ConfigError("trainer.publish_busy", "must be 'wait' or 'skip'")
         if self.checkpoint_every < 1:
             raise ConfigError("trainer.checkpoint_every", "must be at least 1")
         if self.keep_checkpoints < 1:
@@ -77,10 +74,6 @@ class TrainerConfig:
             raise ConfigError("trainer.tp", f"must be at least 1 and divide trainer.world_size {self.world_size}")
         if self.threads < 0:
             raise ConfigError("trainer.threads", "must be >= 0 (0 = torch's default)")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError("trainer.dtype", "must be 'float32' or 'bfloat16'")
-        if self.lr_schedule not in ("constant", "cosine", "linear"):
-            raise ConfigError("trainer.lr_schedule", "must be 'constant', 'cosine' or 'linear'")
 
     @property
     def dp(self) -> int:

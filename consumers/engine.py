@@ -241,26 +241,17 @@ def global_metrics(d: Dist, metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def max_staleness(batch: Batch, version: int) -> int:
+    """The largest ``version - token_version`` over the batch's response tokens (0 with none)."""
+    mask = batch.loss_mask.astype(bool) & (batch.token_versions >= 0)
+    if not mask.any():
+        return 0
+    return int(version - batch.token_versions[mask].min())
+
+
 def staleness(batch: Batch, version: int) -> float:
     """Mean over response tokens of ``version - token_version`` (how many versions behind the trainer)."""
     mask = batch.loss_mask.astype(bool) & (batch.token_versions >= 0)
     if not mask.any():
         return 0.0
     return float(np.mean(version - batch.token_versions[mask]))
-
-
-def model_dir_for(config: Any) -> Path:
-    """``model.path``, else ``model.source`` converted (once) into its cache dir, else the tiny model built (once)
-    into ``<run_dir>/model``."""
-    if config.model.path:
-        return Path(config.model.path)
-    if config.model.source:
-        from producers.hf_models import ensure_source_model
-
-        return ensure_source_model(config.model.source, config.model.cache_dir)
-    from producers.tiny_model import build_tiny_model
-
-    out = config.run_dir / "model"
-    if not (out / "config.json").exists():
-        build_tiny_model(out, seed=config.run.seed)
-    return out

@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 ALREADY_TRAINED = "already_trained"  # dead-letter reason of a batch refused by ``TrainedEpisodes``
+STALE = "stale"  # dead-letter reason of a batch too stale to train when its turn came (streamforge/staleness.py)
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:

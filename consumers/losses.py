@@ -112,7 +112,7 @@ def make_loss(name: str, **hyperparams: Any) -> LossFn:
 
 def _import_factory(spec: str) -> Callable[..., LossFn]:
     """Resolve ``trainer.loss = "package.module:factory"`` (from config only, never from a message)."""
-    from streamforge.plugins import load_object
+    from runtime.plugins import load_object
 
     return load_object(spec, config_key="trainer.loss")
 

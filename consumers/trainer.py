@@ -32,14 +32,18 @@ import torch
 from opentelemetry import trace
 
 from consumers.checkpoint import CheckpointMeta
-from consumers.engine import EXPORT, PUBLISH, QUIT, Commander, TrainEngine, follow, model_dir_for, staleness
-from consumers.ledger import ALREADY_TRAINED, JsonlAppender, Ledger, TrainedEpisodes, truncate_metrics_after
+from consumers.config import TrainerConfig
+from consumers.engine import EXPORT, PUBLISH, QUIT, Commander, TrainEngine, follow, max_staleness, staleness
+from consumers.ledger import ALREADY_TRAINED, STALE, JsonlAppender, Ledger, TrainedEpisodes, truncate_metrics_after
 from consumers.parallel import Dist, close_distributed, init_distributed
 from consumers.sft import collate_sft
-from streamforge.lifecycle import Service
+from models.tiny_model import ensure_model
+from runtime.context import RoleContext
+from runtime.lifecycle import Service
 from topics.errors import ConfigError
 from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample
+from weightsync.config import WeightSyncConfig
 
 log = logging.getLogger("streamforge.trainer")
 _tracer = trace.get_tracer("streamforge.trainer")
@@ -47,7 +51,7 @@ _tracer = trace.get_tracer("streamforge.trainer")
 
 def _record(metrics: dict[str, Any], step: int) -> None:
     try:
-        from streamforge.metrics import flush_metrics, record_metric
+        from runtime.metrics import flush_metrics, record_metric
     except ImportError:  # pragma: no cover
         return
     for key, value in metrics.items():
@@ -61,13 +65,22 @@ class TrainerRole(Service):
 
     name = "trainer"
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, cfg: TrainerConfig, ctx: RoleContext, *, weightsync: WeightSyncConfig | None = None,
+                 temperature: float = 1.0, max_completion_length: int | None = None,
+                 max_staleness: int | None = None) -> None:
+        """``temperature`` and ``max_completion_length``: the generators' sampling (the logits are scaled the same
+        way; some losses normalise by the length); ``max_staleness``: a batch with a token more versions behind
+        than this is not trained (``staleness.max_versions``; None = no bound)."""
         super().__init__()
-        self.config = config
-        self.cfg = config.trainer
-        self.names = config.names
-        self.run_dir = config.run_dir
-        self.drain_timeout_s = config.weightsync.ack_deadline_s + 60.0
+        self.cfg = cfg
+        self.ctx = ctx
+        self.weightsync = weightsync or WeightSyncConfig()
+        self.temperature = temperature
+        self.max_completion_length = max_completion_length
+        self.max_staleness = max_staleness
+        self.names = ctx.names
+        self.run_dir = ctx.run_dir
+        self.drain_timeout_s = self.weightsync.ack_deadline_s + 60.0
         self.d: Dist = Dist()
         self.engine: TrainEngine | None = None
         self.cmd: Commander | None = None
@@ -77,6 +90,7 @@ class TrainerRole(Service):
         self.duplicates = 0
         self.trained_episodes = TrainedEpisodes(self.cfg.dedup_window)  # refuses a zombie buffer's batch
         self.refused = 0
+        self.stale_batches = 0  # batches not trained: a token older than max_staleness when their turn came
         self._since_publish: list[str] = []
         self._rewards: collections.deque[float] = collections.deque(maxlen=self.cfg.reward_window)
         self._checkpointed_step = -1
@@ -112,11 +126,13 @@ class TrainerRole(Service):
                               f"{self.d.world_size} ranks: launch N ranks with `torchrun --nproc-per-node N -m "
                               f"streamforge run trainer --trainer.world_size=N ...`")
         self.cmd = Commander(self.d)
-        model_dir = await asyncio.to_thread(model_dir_for, self.config)
+        m = self.ctx.model
+        model_dir = await asyncio.to_thread(ensure_model, m.path, self.run_dir, seed=self.ctx.run.seed,
+                                            source=m.source, cache_dir=m.cache_dir)
         self.engine = await asyncio.to_thread(
             TrainEngine, self.cfg, model_dir=model_dir, run_dir=self.run_dir, d=self.d,
-            max_seq_len=self.config.model.max_seq_len, temperature=self.config.generator.temperature,
-            max_completion_length=self.config.generator.max_tokens)
+            max_seq_len=m.max_seq_len, temperature=self.temperature,
+            max_completion_length=self.max_completion_length)
         meta = await asyncio.to_thread(self.engine.restore)
         offsets: dict[str, int] = {}
         if meta is not None:
@@ -134,25 +150,25 @@ class TrainerRole(Service):
         self.trained_episodes.load(Ledger.read(self.run_dir))
         self.metrics_out = JsonlAppender(self.run_dir / "metrics.jsonl")
         if self.cfg.mode == "sft":
-            from producers.tiny_model import load_tokenizer
+            from models.tiny_model import load_tokenizer
 
             self.tokenizer = load_tokenizer(model_dir)
-        self.producer = Producer(self.config.kafka, client_id="trainer")
+        self.producer = Producer(self.ctx.kafka, client_id="trainer")
         await self.producer.start()
         from consumers.source import RecordSource
 
         rl = self.cfg.mode == "rl"
         dead = DeadLetters(self.producer, self.names, "trainer")
-        self.source = RecordSource(self.config.kafka, self.names.batches if rl else self.names.sft,
+        self.source = RecordSource(self.ctx.kafka, self.names.batches if rl else self.names.sft,
                                    group_id=self.names.trainers_group, expect=Batch if rl else SFTExample,
                                    dead_letters=dead)
         await self.source.start(offsets)
-        if self.config.nats.url:
+        if self.ctx.nats.url:
             from topics.nats import connect
             from weightsync.publisher import WeightPublisher
 
-            self.nc = await connect(self.config.nats, name="trainer")
-            self.publisher = WeightPublisher(self.config.weightsync, nc=self.nc, names=self.names,
+            self.nc = await connect(self.ctx.nats, name="trainer")
+            self.publisher = WeightPublisher(self.weightsync, nc=self.nc, names=self.names,
                                              run_dir=self.run_dir, trainer_id="trainer")
             self.publisher.on_bad = dead.send_undecodable  # undecodable membership and ack messages
             await self.publisher.start()
@@ -178,7 +194,7 @@ class TrainerRole(Service):
 
     async def _close_round(self) -> None:
         if self._round is not None and not self._round.done():
-            await asyncio.wait_for(asyncio.shield(self._round), self.config.weightsync.ack_deadline_s + 5)
+            await asyncio.wait_for(asyncio.shield(self._round), self.weightsync.ack_deadline_s + 5)
 
     async def _close_clients(self) -> None:
         for client in (self.publisher, self.source, self.producer):
@@ -256,12 +272,16 @@ class TrainerRole(Service):
             problem = self._unusable(batch) if not again else (
                 f"batch {batch.batch_id}: {len(again)} of its {len(batch.episode_ids)} episodes were already "
                 f"trained (e.g. {min(again)} at step {again[min(again)]}): a batch of a zombie buffer")
+            reason = ALREADY_TRAINED if again else "invalid"
+            if not problem and self.cfg.mode == "rl":
+                problem = self._too_stale(batch)
+                reason = STALE
             if problem:
                 self.refused += bool(again)
+                self.stale_batches += reason == STALE
                 log.warning("%s", problem)
                 for rec in records:
-                    await self.source.dead_letters.send(rec, reason=ALREADY_TRAINED if again else "invalid",
-                                                        detail=problem)
+                    await self.source.dead_letters.send(rec, reason=reason, detail=problem)
                     self.source.advance(rec)
                 continue
             self._idle.clear()
@@ -281,11 +301,21 @@ class TrainerRole(Service):
 
         if not batch.episode_ids or not batch.loss_mask.any():
             return f"batch {batch.batch_id} has no response tokens"
-        if trim_width(batch) > self.config.model.max_seq_len:
-            return f"batch {batch.batch_id}: {trim_width(batch)} tokens > model.max_seq_len {self.config.model.max_seq_len}"
+        if trim_width(batch) > self.ctx.model.max_seq_len:
+            return f"batch {batch.batch_id}: {trim_width(batch)} tokens > model.max_seq_len {self.ctx.model.max_seq_len}"
         if int(batch.input_ids.max()) >= self.engine.policy.vocab_size or int(batch.input_ids.min()) < 0:
             return f"batch {batch.batch_id} has token ids outside the vocabulary"
         return ""
+
+    def _too_stale(self, batch: Batch) -> str:
+        """Why ``batch`` is too stale to train now (``max_staleness``, ``streamforge/staleness.py``), or ''."""
+        if self.max_staleness is None:
+            return ""
+        worst = max_staleness(batch, self.version)
+        if worst <= self.max_staleness:
+            return ""
+        return (f"batch {batch.batch_id}: a token {worst} versions behind the trainer's version {self.version} "
+                f"(staleness.max_versions {self.max_staleness})")
 
     def _done_reason(self) -> str:
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
@@ -307,7 +337,7 @@ class TrainerRole(Service):
             records.append(rec)
         if not records:
             return None, []
-        batch = collate_sft(self.tokenizer, [r.value for r in records], max_seq_len=self.config.model.max_seq_len)
+        batch = collate_sft(self.tokenizer, [r.value for r in records], max_seq_len=self.ctx.model.max_seq_len)
         return batch, records
 
     async def _train_one(self, batch: Batch, records: list[Received]) -> None:
@@ -333,9 +363,10 @@ class TrainerRole(Service):
         row = {"step": self.step, "policy_version": self.version, "time_s": round(time.time() - self._t0, 4),
                "time": time.time(), "reward_mean": reward, "reward_trained_mean": trained_reward,
                "rollout_episodes": rollouts, "loss": metrics.get("loss", 0.0),
-               "staleness_mean": staleness(batch, self.version), "episodes": len(batch.episode_ids),
+               "staleness_mean": staleness(batch, self.version),
+               "staleness_max": max_staleness(batch, self.version), "episodes": len(batch.episode_ids),
                "tokens_per_s": metrics.get("tokens", 0.0) / max(elapsed, 1e-9), "batch_id": batch.batch_id,
-               "duplicates": self.duplicates, "refused_batches": self.refused,
+               "duplicates": self.duplicates, "refused_batches": self.refused, "stale_batches": self.stale_batches,
                **{k: v for k, v in metrics.items() if k not in ("loss",)},
                **self._buffer_drops(batch)}
         self.metrics_out.append(row)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from topics.errors import ConfigError
+from topics.errors import ConfigError, check_choices
 
 
 @dataclass(kw_only=True, slots=True)
@@ -12,30 +13,36 @@ class GeneratorConfig:
     """One generator process: where prompts come from, how it samples, how it scores."""
 
     generator_id: str = ""  # stable id; empty = "<hostname>-<pid>"
-    prompt_source: str = "topic"  # "topic" (Kafka prompts, consumer group) | "local" (feeder.source in-process)
+    prompt_source: Literal["topic", "local"] = "topic"  # topic = Kafka prompts (group); local = feeder.source
     group_size: int = 8  # samples per prompt = one GRPO group
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_concurrent_prompts: int = 8
-    max_policy_lag: int = 1  # stop taking prompts when this many versions ahead of the latest published
+    max_tokens: int = 16  # most new tokens per response
+    temperature: float = 1.0  # sampling temperature (the trainer scales its logits by it too)
+    top_p: float = 1.0  # nucleus sampling
+    top_k: int = -1  # top-k sampling (-1 = off)
+    max_concurrent_prompts: int = 8  # prompts generating at once
+    # take no prompt while the weights are more than this many versions older than the latest published
+    # (derived from staleness.max_versions: streamforge/staleness.py)
+    max_policy_lag: int = 1
     rewards: list[str] = field(default_factory=lambda: ["toy"])  # builtin name or "module:callable"
     reward_weights: list[float] = field(default_factory=list)  # empty = all 1.0
-    reward_timeout_s: float = 10.0
-    kv_cache_gib: float = 1.0
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
-    seed: int = 0
-    logprobs_mode: str = "processed_logprobs"  # vLLM: "processed_logprobs" (after temperature etc.) | "raw_logprobs"
-    groups_per_version: int = 0  # >0: this generator's share of groups per trainer version (stay <= lag ahead)
-    backpressure_stall_s: float = 30.0  # liveness guard of the groups_per_version quota (see producers/flow.py)
+    reward_timeout_s: float = 10.0  # a reward slower than this dead-letters its Episode
+    kv_cache_gib: float = 1.0  # vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.5  # vLLM on GPU
+    enforce_eager: bool = True  # vLLM: no CUDA graphs / compilation
+    seed: int = 0  # vLLM sampling seed
+    # vLLM: processed_logprobs (after temperature etc.) | raw_logprobs
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
+    # >0: this generator's share of the groups the trainer trains per version; it runs at most max_policy_lag + 1
+    # versions of them ahead of the trainer (derived from staleness.max_versions: streamforge/staleness.py)
+    groups_per_version: int = 0
+    quota_counts_zero_variance: bool = True  # False: a group whose rewards are all equal does not use the quota
+    # liveness guard of the quota (producers/flow.py); 0 = three times the recent interval between versions, >= 2 s
+    backpressure_stall_s: float = 0.0
     poll_timeout_ms: int = 500  # longest wait for new prompts before re-checking stop and backpressure
     metrics_every_s: float = 5.0  # how often the generator flushes its generator/* metrics
 
     def __post_init__(self) -> None:
-        if self.prompt_source not in ("topic", "local"):
-            raise ConfigError("generator.prompt_source", "must be 'topic' or 'local'")
+        check_choices(self, "generator")
         if self.group_size < 1:
             raise ConfigError("generator.group_size", "must be at least 1")
         if self.max_tokens < 1:
@@ -54,14 +61,12 @@ class GeneratorConfig:
             raise ConfigError("generator.reward_timeout_s", "must be positive")
         if self.max_concurrent_prompts < 1:
             raise ConfigError("generator.max_concurrent_prompts", "must be at least 1")
-        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
-            raise ConfigError("generator.logprobs_mode", "must be 'processed_logprobs' or 'raw_logprobs'")
         if self.groups_per_version < 0:
             raise ConfigError("generator.groups_per_version", "must be >= 0")
         if self.metrics_every_s <= 0:
             raise ConfigError("generator.metrics_every_s", "must be positive")
-        if self.backpressure_stall_s <= 0:
-            raise ConfigError("generator.backpressure_stall_s", "must be positive")
+        if self.backpressure_stall_s < 0:
+            raise ConfigError("generator.backpressure_stall_s", "must be >= 0 (0 = adaptive)")
 
 
 @dataclass(kw_only=True, slots=True)

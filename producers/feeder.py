@@ -1,6 +1,6 @@
 """The feeder role: streams a local prompt source into the ``prompts`` topic (the default path to generators).
 
-``FeederRole(config)`` (``streamforge run feeder``) reads ``feeder.source`` (``producers.sources``) and produces
+``FeederRole(cfg, ctx)`` (``streamforge run feeder``) reads ``feeder.source`` (``producers.sources``) and produces
 each Prompt to ``{prefix}.prompts`` keyed by ``prompt_id`` (an ``sft_jsonl:`` source produces SFTExamples to
 ``{prefix}.sft`` keyed by ``example_id`` instead). Each record is acknowledged by the broker before it counts.
 
@@ -24,9 +24,10 @@ from typing import Any
 
 from opentelemetry import trace
 
+from producers.config import FeederConfig
 from producers.sources import open_source, sft_examples
-from streamforge.config import RunConfig
-from streamforge.lifecycle import Service
+from runtime.context import RoleContext
+from runtime.lifecycle import Service
 from topics.admin import partitions_of
 from topics.config import KafkaConfig
 from topics.kafka import Consumer, Producer
@@ -41,12 +42,12 @@ class FeederRole(Service):
 
     name = "feeder"
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, cfg: FeederConfig, ctx: RoleContext) -> None:
         super().__init__()
-        self.config = config
-        self.cfg = config.feeder
-        self.names = config.names
-        self.drain_timeout_s = config.up.drain_timeout_s
+        self.cfg = cfg
+        self.ctx = ctx
+        self.names = ctx.names
+        self.drain_timeout_s = ctx.drain_timeout_s
         self.producer: Producer | None = None
         self.offsets: GroupOffsets | None = None
         self.sent = 0
@@ -54,9 +55,9 @@ class FeederRole(Service):
         self._produced: dict[int, tuple[int, int]] = {}  # partition -> (first offset we wrote, next offset)
 
     async def _start(self) -> None:
-        self.producer = Producer(self.config.kafka, client_id="feeder")
+        self.producer = Producer(self.ctx.kafka, client_id="feeder")
         await self.producer.start()
-        self.offsets = GroupOffsets(self.config.kafka, self.names.generators_group, self.names.prompts)
+        self.offsets = GroupOffsets(self.ctx.kafka, self.names.generators_group, self.names.prompts)
         await self.offsets.start()
 
     async def _stop(self) -> None:

@@ -18,13 +18,19 @@ buffer deduplicates what was produced twice).
   ``max_policy_lag`` versions *ahead* of the trainer (AReaL-style staleness control) and resumes when the trainer
   publishes the next version. Liveness guard: if the buffer drops groups (zero variance, stale), the trainer may
   need more groups than the quota lets through and would wait forever; so when the quota blocked intake for
-  ``stall_s`` with nothing in flight and no new version, ``grant()`` adds one more version's worth.
+  ``stall_s()`` with nothing in flight and no new version, ``grant()`` adds one more version's worth. ``stall_s()``
+  is the configured ``backpressure_stall_s``, or, when that is 0, three times the mean interval between the last
+  published versions (at least 2 s; 10 s before two versions were seen): a guard that scales with the step time.
+* A group the buffer will drop for zero variance (every reward equal) trains nothing; with
+  ``count_zero_variance=False`` the generator gives its quota back (``refund()``) once it has scored it, so the
+  quota counts the groups that can train.
 
 Before any version is published (``latest`` is None) nothing is throttled.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -107,19 +113,40 @@ class Backpressure:
 
     max_policy_lag: int
     groups_per_version: int = 0
+    stall_s_config: float = 0.0  # 0 = adaptive (module docstring)
+    count_zero_variance: bool = True
     latest: int | None = None  # newest published version, None before the first
     first: int | None = None  # first version seen published
-    taken: int = 0  # prompts taken by this generator since it started
+    taken: int = 0  # prompts taken by this generator since it started (less the refunds)
     granted: int = 0  # extra prompts granted by the liveness guard
+    refunded: int = 0  # zero-variance groups given back
+    _seen_at: deque[float] = field(default_factory=lambda: deque(maxlen=6))  # when the last versions arrived
 
-    def published(self, version: int) -> None:
+    def published(self, version: int, now: float | None = None) -> None:
         if self.first is None:
             self.first = version
         if self.latest is None or version > self.latest:
             self.latest = version
+            if now is not None:
+                self._seen_at.append(now)
 
     def took(self, n: int = 1) -> None:
         self.taken += n
+
+    def scored(self, rewards: list[float]) -> None:
+        """A group of this generator was scored: give its quota back if it cannot train (zero variance)."""
+        if not self.count_zero_variance and (len(rewards) < 2 or max(rewards) - min(rewards) <= 1e-9):
+            self.taken -= 1
+            self.refunded += 1
+
+    def stall_s(self) -> float:
+        """How long the quota may block intake, with nothing in flight, before ``grant()`` (module docstring)."""
+        if self.stall_s_config > 0:
+            return self.stall_s_config
+        seen = list(self._seen_at)
+        if len(seen) < 2:
+            return 10.0
+        return max(2.0, 3.0 * (seen[-1] - seen[0]) / (len(seen) - 1))
 
     def quota(self) -> int | None:
         """Prompts this generator may have taken by now (None: unlimited)."""

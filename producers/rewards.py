@@ -1,13 +1,18 @@
 """Rewards: pluggable scoring functions combined with weights, bounded in time.
 
-A reward is ``fn(prompt: Prompt, response_text: str) -> float``. ``generator.rewards`` lists them by builtin
-name or import path ``"package.module:callable"``; ``generator.reward_weights`` weighs them (default 1.0 each):
+A reward is ``fn(prompt: Prompt, response_text: str) -> float``, or a batch reward in the shape TRL's
+GRPOTrainer uses, ``fn(prompts, completions, **columns) -> list[float]``: one call per GRPO group, ``prompts`` the
+prompt text once per completion, ``completions`` the response texts, and ``columns`` each of the prompt's columns as
+a list of the same length (``answer``, ``task``, ``prompt_id`` and every ``metadata`` key, which is where a JSONL
+dataset's extra columns go). A callable is a batch reward when its parameters include ``prompts`` and
+``completions`` (or it has ``batched = True``). ``generator.rewards`` lists them by builtin name or import path
+``"package.module:callable"``; ``generator.reward_weights`` weighs them (default 1.0 each):
 
     reward = sum_i w_i * r_i(prompt, response_text)        components = {name_i: r_i}
 
 Builtins (``BUILTINS``):
 
-* ``toy``: the toy task's own score (``producers.tasks.TASKS[prompt.task]``), 0/1.
+* ``toy``: the toy task's own score (``models.tasks.TASKS[prompt.task]``), 0/1.
 * ``math``: the last ``\\boxed{...}`` or ``#### ...`` answer of the response against ``prompt.answer``; numbers
   compare with a relative/absolute tolerance of 1e-6 (commas, ``$`` and ``%`` ignored), other answers as
   normalised strings; 1.0 or 0.0.
@@ -19,8 +24,9 @@ Builtins (``BUILTINS``):
   (``prompt.metadata["dataset"]`` and ``["entry"]``, as ``producers.sources`` writes them), applied to the
   ``<answer>...</answer>`` of the response if it has one, else to the whole stripped response.
 
-A reward that raises, returns a non-finite number, or runs longer than ``timeout_s`` raises ``RewardFailed``
-(``reason`` = ``reward_error`` or ``reward_timeout``); the generator dead-letters that Episode and keeps going.
+A reward that raises, returns a non-finite number (or, batched, not one number per completion), or runs longer
+than ``timeout_s`` raises ``RewardFailed`` (``reason`` = ``reward_error`` or ``reward_timeout``); the generator
+dead-letters that Episode (every Episode of the group, for a batch reward) and keeps going.
 Rewards run in a small thread pool so a slow one never blocks the event loop; a timed-out reward's thread cannot
 be killed and is abandoned (it finishes in the background, its result ignored).
 """
@@ -28,13 +34,15 @@ be killed and is abandoned (it finishes in the background, its result ignored).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
-from producers.tasks import get_task
+from models.tasks import get_task
 from topics.errors import ConfigError, StreamforgeError
 from topics.schemas import Prompt
 
@@ -157,7 +165,7 @@ BUILTINS: dict[str, RewardFn] = {
 
 def _import_reward(spec: str) -> RewardFn:
     """Resolve ``"package.module:callable"`` (from ``generator.rewards`` config only)."""
-    from streamforge.plugins import load_object
+    from runtime.plugins import load_object
 
     if ":" not in spec:
         raise ConfigError("generator.rewards", f"{spec!r} is neither a builtin {sorted(BUILTINS)} nor module:callable")
@@ -166,6 +174,24 @@ def _import_reward(spec: str) -> RewardFn:
 
 def resolve(spec: str) -> RewardFn:
     return BUILTINS[spec] if spec in BUILTINS else _import_reward(spec)
+
+
+def is_batch_reward(fn: Callable[..., Any]) -> bool:
+    """A TRL-shaped ``fn(prompts, completions, **columns) -> list[float]`` (module docstring)."""
+    if getattr(fn, "batched", False):
+        return True
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "prompts" in params and "completions" in params
+
+
+def group_columns(prompt: Prompt, n: int) -> dict[str, list[Any]]:
+    """The keyword columns of a batch reward for ``n`` completions of ``prompt``."""
+    cols: dict[str, Any] = {**(prompt.metadata or {}), "answer": prompt.answer, "task": prompt.task,
+                            "prompt_id": prompt.prompt_id}
+    return {k: [v] * n for k, v in cols.items() if k not in ("prompts", "completions")}
 
 
 # -- combination ------------------------------------------------------------------------------------------
@@ -188,6 +214,7 @@ class RewardSet:
         if len(set(self.names)) != len(self.names):
             raise ConfigError("generator.rewards", f"reward names must be distinct: {self.names}")
         self.fns = [resolve(s) for s in specs]
+        self.batched = [is_batch_reward(f) for f in self.fns]
         self.weights = [float(w) for w in weights] if weights else [1.0] * len(specs)
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
@@ -211,10 +238,62 @@ class RewardSet:
             raise RewardFailed(name, "reward_error", f"returned a non-finite value ({value})")
         return value
 
+    async def _batch(self, name: str, fn: Callable[..., Any], prompt: Prompt, texts: list[str]) -> list[float]:
+        loop = asyncio.get_running_loop()
+
+        def call() -> Any:
+            return fn(prompts=[prompt.text] * len(texts), completions=list(texts), **group_columns(prompt, len(texts)))
+
+        try:
+            values = await asyncio.wait_for(loop.run_in_executor(self._pool, call), self.timeout_s)
+        except TimeoutError:
+            raise RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s") from None
+        except Exception as exc:
+            raise RewardFailed(name, "reward_error", f"{type(exc).__name__}: {exc}") from exc
+        try:
+            out = [float(v) for v in values]
+        except (TypeError, ValueError):
+            raise RewardFailed(name, "reward_error", "did not return a list of numbers") from None
+        if len(out) != len(texts):
+            raise RewardFailed(name, "reward_error", f"returned {len(out)} values for {len(texts)} completions")
+        if not all(math.isfinite(v) for v in out):
+            raise RewardFailed(name, "reward_error", f"returned a non-finite value ({out})")
+        return out
+
     async def score(self, prompt: Prompt, response_text: str) -> Scored:
         """All rewards of one response, concurrently; the first failure raises ``RewardFailed``."""
-        t0 = asyncio.get_running_loop().time()
-        values = await asyncio.gather(*(self._one(n, f, prompt, response_text) for n, f in zip(self.names, self.fns)))
-        components = dict(zip(self.names, values))
-        total = sum(w * v for w, v in zip(self.weights, values))
-        return Scored(total, components, asyncio.get_running_loop().time() - t0)
+        result = (await self.score_group(prompt, [response_text]))[0]
+        if isinstance(result, RewardFailed):
+            raise result
+        return result
+
+    async def score_group(self, prompt: Prompt, texts: Sequence[str]) -> list[Scored | RewardFailed]:
+        """Every reward of every response of one group, concurrently: per response a ``Scored``, or the first
+        ``RewardFailed`` of its rewards (a failed batch reward fails every response)."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        texts = list(texts)
+
+        async def per_reward(name: str, fn: Callable[..., Any], batched: bool) -> list[float | RewardFailed]:
+            if batched:
+                try:
+                    return list(await self._batch(name, fn, prompt, texts))
+                except RewardFailed as exc:
+                    return [exc] * len(texts)
+            return list(await asyncio.gather(*(self._one(name, fn, prompt, t) for t in texts),
+                                             return_exceptions=True))
+
+        table = await asyncio.gather(*(per_reward(n, f, b) for n, f, b in zip(self.names, self.fns, self.batched)))
+        seconds = loop.time() - t0
+        out: list[Scored | RewardFailed] = []
+        for i in range(len(texts)):
+            values = [column[i] for column in table]
+            failed = next((v for v in values if isinstance(v, BaseException)), None)
+            if failed is not None:
+                if not isinstance(failed, RewardFailed):
+                    raise failed
+                out.append(failed)
+                continue
+            total = sum(w * v for w, v in zip(self.weights, values))
+            out.append(Scored(total, dict(zip(self.names, values)), seconds))
+        return out

@@ -2,9 +2,10 @@
 
 ``open_source(spec, seed=, num_prompts=)`` yields ``Prompt`` messages for a ``feeder.source`` spec:
 
-* ``toy:<task>``: endless prompts of a toy task (``producers.tasks``), ``prompt_id = "<task>-<seed>-<i>"``.
+* ``toy:<task>``: endless prompts of a toy task (``models.tasks``), ``prompt_id = "<task>-<seed>-<i>"``.
 * ``jsonl:<path>``: one JSON object per line with ``prompt`` (or ``text``/``question``), optional ``answer``,
-  ``id``, ``task`` and ``metadata``; ``prompt_id`` = the ``id`` or ``"<file stem>-<line index>"``.
+  ``id``, ``task`` and ``metadata``; ``prompt_id`` = the ``id`` or ``"<file stem>-<line index>"``. Any other
+  column joins ``metadata`` (a batch reward receives each as a keyword column, as TRL's reward functions do).
 * ``reasoning_gym:<dataset>``: ``reasoning_gym.create_dataset(dataset, size=, seed=)`` (offline, with its
   verifier); the entry goes into ``metadata["entry"]`` (JSON-safe) for the ``reasoning_gym`` reward.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from producers.tasks import get_task
+from models.tasks import get_task
 from topics.errors import ConfigError
 from topics.schemas import Prompt, SFTExample
 
@@ -55,6 +56,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+_JSONL_FIELDS = ("prompt", "text", "question", "answer", "id", "task", "metadata")
+
+
 def jsonl_prompts(path: str | Path) -> list[Prompt]:
     path = Path(path)
     out = []
@@ -62,9 +66,10 @@ def jsonl_prompts(path: str | Path) -> list[Prompt]:
         text = row.get("prompt", row.get("text", row.get("question")))
         if not isinstance(text, str):
             raise ConfigError("feeder.source", f"{path} line {i + 1}: needs a 'prompt' (or 'text'/'question') string")
+        extra = {k: v for k, v in row.items() if k not in _JSONL_FIELDS}
         out.append(Prompt(
             prompt_id=str(row.get("id", f"{path.stem}-{i}")), task=str(row.get("task", path.stem)), text=text,
-            answer=str(row.get("answer", "")), metadata=dict(row.get("metadata") or {}),
+            answer=str(row.get("answer", "")), metadata={**extra, **dict(row.get("metadata") or {})},
         ))
     return out
 

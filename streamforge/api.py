@@ -11,7 +11,11 @@ trainer) and returns a ``TrainResult`` with the run directory, the last metrics 
 functions run inside generator processes, so each must be importable there: pass ``"module:function"``, a
 builtin name (``toy``, ``math``, ``format``, ``exact``, ``length``, ``reasoning_gym``), or a function defined
 in an importable module (a function defined in a notebook's ``__main__`` is rejected with a clear error).
-Signature: ``fn(prompt: topics.schemas.Prompt, response_text: str) -> float``.
+Two signatures (``producers/rewards.py``): per response, ``fn(prompt: topics.schemas.Prompt, response_text: str)
+-> float``; or batched as TRL's GRPOTrainer calls them, ``fn(prompts, completions, **columns) -> list[float]``
+(the dataset's other columns, ``answer`` among them, arrive as lists). A ``dataset`` needs ``reward_functions``:
+without them ``train`` raises ``ConfigError`` at once; with neither a dataset nor rewards it trains the toy
+``task`` (default ``addmod10``) on its own ``toy`` reward.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class RLConfig:
     max_steps: int = 100
     reward_target: float = 0.0
     reward_weights: list[float] | None = None
-    max_policy_lag: int = 1
+    max_staleness: int = 2  # staleness.max_versions: 0 = synchronous (TRL AsyncGRPOTrainer's max_staleness)
+    max_policy_lag: int | None = None  # generator.max_policy_lag; None = derived from max_staleness
     num_generators: int = 1
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # {"buffer.advantage": "rloo", ...}
@@ -65,10 +70,12 @@ class RLConfig:
             f"generator.group_size={self.num_generations}",
             f"generator.max_tokens={self.max_completion_length}",
             f"generator.temperature={self.temperature}", f"generator.top_p={self.top_p}",
-            f"generator.max_policy_lag={self.max_policy_lag}",
+            f"staleness.max_versions={self.max_staleness}",
             f"buffer.groups_per_batch={self.prompts_per_step}",
             f"up.generators={self.num_generators}",
         ]
+        if self.max_policy_lag is not None:
+            out.append(f"generator.max_policy_lag={self.max_policy_lag}")
         if self.model:
             out.append(f"model.path={self.model}")
         if self.reward_weights:
@@ -97,8 +104,11 @@ def reward_spec(fn: str | Callable[..., float]) -> str:
             f"{fn!r} is not importable by the generator processes: define it in a module and pass it "
             "(or 'module:function')",
         )
-    if inspect.signature(fn).parameters.__len__() < 2:
-        raise ConfigError("reward_functions", f"{qualname} must take (prompt, response_text)")
+    from producers.rewards import is_batch_reward
+
+    if not is_batch_reward(fn) and len(inspect.signature(fn).parameters) < 2:
+        raise ConfigError("reward_functions", f"{qualname} must take (prompt, response_text), or "
+                          "(prompts, completions, **columns) as TRL's reward functions do")
     return f"{module}:{qualname}"
 
 
@@ -117,6 +127,9 @@ def build_run_config(config: RLConfig, *, reward_functions: Sequence[str | Calla
                      dataset: Iterable[Mapping[str, Any]] | str | os.PathLike | None,
                      task: str = "") -> tuple[Any, list[str]]:
     overrides = config.overrides()
+    if dataset is not None and not reward_functions:
+        raise ConfigError("reward_functions", "a dataset needs reward functions to score its completions "
+                          "(a name, 'module:function', or an importable function)")
     specs = [reward_spec(fn) for fn in reward_functions] or ["toy"]
     overrides.append(f"generator.rewards=[{','.join(specs)}]")
     if dataset is not None:

@@ -5,6 +5,11 @@
 cleanly (SIGTERM, then SIGKILL after a grace period). With ``durable=True`` Tansu stores its log in S3 over a
 local SeaweedFS (``weed mini``) whose bucket is created first, so topics, records and committed offsets survive a
 broker restart; the default ``memory://`` store loses everything on restart.
+
+The broker processes die with the process that started them (``die_with_parent``, Linux ``PR_SET_PDEATHSIG``):
+a test run or an ``up`` killed with SIGKILL or SIGTERM leaves no Tansu, nats-server or SeaweedFS behind. The
+signal follows the thread that started them, so call ``start()`` from a thread that lives as long as they should
+(the main thread, or the event loop's).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -112,6 +118,24 @@ async def _quiet(exc: Exception) -> None:
     """nats-py logs every failed connect attempt through its error callback; readiness polling expects them."""
 
 
+def _death_signal(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies (Linux ``prctl``); None
+    elsewhere. libc is loaded here, before the fork, so the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    parent = os.getpid()
+
+    def child() -> None:
+        libc.prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the call: nobody will send it
+            os._exit(1)
+
+    return child
+
+
 def _stop_process(proc: subprocess.Popen | None, name: str, grace_s: float = 5.0) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -134,6 +158,7 @@ class EmbeddedBrokers:
     nats_port: int = 0
     host: str = "127.0.0.1"
     log_to_files: bool = True
+    die_with_parent: bool = True  # the brokers get SIGKILL when this process dies (module docstring)
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
     _s3_ports: dict[str, int] = field(default_factory=dict, repr=False)
     _started: bool = False
@@ -159,6 +184,8 @@ class EmbeddedBrokers:
             proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})}, start_new_session=True,
+                # the child only calls prctl through a libc handle loaded before the fork: it takes no lock
+                preexec_fn=_death_signal(signal.SIGKILL) if self.die_with_parent else None,  # noqa: PLW1509
             )
         self._procs[name] = proc
         return proc

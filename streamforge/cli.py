@@ -41,7 +41,7 @@ def _load(config: str | None, overrides: tuple[str, ...], extra: list[str] = ())
 
 
 def _run_async(coro: Any) -> Any:
-    from streamforge.lifecycle import install_uvloop
+    from runtime.lifecycle import install_uvloop
 
     install_uvloop()
     try:
@@ -106,26 +106,30 @@ def metrics_name(role: str, config: Any) -> str:
 @click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
 @click.pass_context
 def run(ctx: click.Context, role: str, config_path: str | None) -> None:
-    """Run one role process: feeder, generator, buffer or trainer."""
-    from streamforge.lifecycle import run_service
-    from streamforge.roles import RoleNotAvailable, role_class
-    from streamforge.telemetry import setup_tracing, shutdown_tracing
+    """Run one role process: feeder, generator, buffer or trainer.
+
+    Configure it with --section.key=value overrides after the role; `streamforge config --explain` lists every
+    key with its type, default and meaning."""
+    from runtime.lifecycle import run_service
+    from runtime.metrics import close_metrics, configure_metrics
+    from runtime.telemetry import setup_tracing, shutdown_tracing
+    from streamforge.roles import RoleNotAvailable, build_role
 
     config = _load(config_path, tuple(ctx.args))
     setup_logging(config.telemetry.log_level)
     try:
-        cls = role_class(role)
+        service = build_role(role, config)
     except RoleNotAvailable as exc:
         raise click.ClickException(str(exc)) from None
     config.run_dir.mkdir(parents=True, exist_ok=True)
     setup_tracing(role, config.run_dir, exporter=config.telemetry.traces,
                   otlp_endpoint=config.telemetry.otlp_endpoint)
-    from streamforge.metrics import configure_metrics
-
-    configure_metrics(metrics_name(role, config), config.run_dir, config.telemetry.metrics)
+    configure_metrics(metrics_name(role, config), config.run_dir, config.telemetry.metrics,
+                      wandb_project=config.telemetry.wandb_project, run_config=config.to_dict())
     try:
-        code = run_service(cls(config))
+        code = run_service(service)
     finally:
+        close_metrics()
         shutdown_tracing()
     sys.exit(code)
 
@@ -142,6 +146,22 @@ def up(ctx: click.Context, config_path: str | None, run_dir: Path | None) -> Non
     config = _load(config_path, tuple(ctx.args), extra)
     setup_logging(config.telemetry.log_level)
     sys.exit(run_up(config, config_path=config_path, overrides=list(ctx.args) + extra))
+
+
+@main.command("config", context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
+@click.option("--explain", is_flag=True, help="Every key with its type, default, value and the comment in the code.")
+@click.option("--section", default="", help="Only this section (with --explain), e.g. staleness or buffer.")
+@click.pass_context
+def config_command(ctx: click.Context, config_path: str | None, explain: bool, section: str) -> None:
+    """Print the resolved run config (defaults < YAML < STREAMFORGE_* < overrides), derived values included."""
+    from streamforge.config import dump_config
+    from streamforge.explain import explain_text
+
+    config = _load(config_path, tuple(ctx.args))
+    if section and section not in config.to_dict():
+        raise click.ClickException(f"no config section {section!r}; sections: {', '.join(config.to_dict())}")
+    click.echo(explain_text(config, section) if explain else dump_config(config), nl=False)
 
 
 @main.group()
@@ -217,7 +237,7 @@ def status(ctx: click.Context, config_path: str | None, interval: float) -> None
 def audit(ctx: click.Context, config_path: str | None) -> None:
     """Reconcile produced, batched, trained and dropped episodes; writes <run_dir>/audit.json."""
     try:
-        from buffer.audit import run_audit
+        from streamforge.audit import run_audit
     except ImportError as exc:
         raise click.ClickException(f"the audit is not built yet ({exc})") from None
     config = _load(config_path, tuple(ctx.args))

@@ -13,7 +13,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Literal
 
 import yaml
 from omegaconf import OmegaConf
@@ -22,25 +23,14 @@ from omegaconf.errors import OmegaConfBaseException
 from buffer.config import BufferConfig
 from consumers.config import TrainerConfig
 from producers.config import FeederConfig, GeneratorConfig
+from runtime.context import ModelConfig, RoleContext, RunSection, TelemetryConfig
+from streamforge.staleness import DERIVED_KEYS, StalenessConfig, check_staleness, derived_overrides
 from topics.config import KafkaConfig, NatsConfig, TopicsConfig
-from topics.errors import ConfigError
-from topics.names import Names, valid_prefix
+from topics.errors import ConfigError, check_choices
+from topics.names import Names
 from weightsync.config import WeightSyncConfig
 
 ENV_PREFIX = "STREAMFORGE_"
-
-
-@dataclass(kw_only=True, slots=True)
-class RunSection:
-    """Identity of a run."""
-
-    prefix: str = "sf"  # prefix of every topic, subject and bucket of this run
-    run_dir: str = "runs/latest"
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not valid_prefix(self.prefix):
-            raise ConfigError("run.prefix", f"{self.prefix!r} must be letters, digits, '-' or '_'")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,66 +50,23 @@ class BrokersConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """The policy model, one Hugging Face directory that vLLM, transformers and torchtitan all load."""
-
-    path: str = ""  # HF dir; empty with `tiny` set = build the tiny model into <run_dir>/model
-    tiny: str = "char-llama"  # the built-in tiny model recipe used when path and source are empty ("" = none)
-    source: str = ""  # a pretrained model by name (producers/hf_models.py: smollm2-135m), converted once into cache_dir
-    cache_dir: str = ""  # where `source` models are converted; empty = ~/.cache/streamforge/models
-    flavor: str = ""  # torchtitan flavor (empty = derived from the HF config)
-    max_seq_len: int = 128
-    warmstart_task: str = ""  # toy task for a short supervised warm start of the built tiny model ("" = none)
-    warmstart_accuracy: float = 0.3  # stop the warm start at this greedy accuracy
-
-    def __post_init__(self) -> None:
-        if not 0 < self.warmstart_accuracy <= 1:
-            raise ConfigError("model.warmstart_accuracy", "must be in (0, 1]")
-        if not self.path and not self.tiny and not self.source:
-            raise ConfigError("model.path", "set a Hugging Face model directory (or model.source, or model.tiny)")
-        if self.source:
-            from producers.hf_models import SOURCES
-
-            if self.source not in SOURCES:
-                raise ConfigError("model.source", f"{self.source!r} is not one of {list(SOURCES)}")
-            if self.warmstart_task:
-                raise ConfigError("model.warmstart_task", "the warm start is for the built tiny model only")
-
-
-@dataclass(kw_only=True, slots=True)
-class TelemetryConfig:
-    """OpenTelemetry traces and metric backends."""
-
-    traces: str = "jsonl"  # "jsonl" (<run_dir>/traces.jsonl) | "otlp" | "none"
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
-    metrics: list[str] = field(default_factory=lambda: ["jsonl"])  # console | jsonl | tensorboard | wandb
-    log_level: str = "INFO"
-
-    def __post_init__(self) -> None:
-        if self.traces not in ("jsonl", "otlp", "none"):
-            raise ConfigError("telemetry.traces", "must be jsonl, otlp or none")
-        bad = [m for m in self.metrics if m not in ("console", "jsonl", "tensorboard", "wandb")]
-        if bad:
-            raise ConfigError("telemetry.metrics", f"unknown backends {bad}")
-
-
-@dataclass(kw_only=True, slots=True)
 class UpConfig:
     """What ``streamforge up`` starts."""
 
-    generators: int = 1
-    buffers: int = 1
+    generators: int = 1  # generator processes (0: generators run elsewhere)
+    buffers: int = 1  # buffer processes in one consumer group (they split the episodes partitions)
     restart: bool = False  # restart a child that dies instead of stopping the run
-    drain_timeout_s: float = 20.0
-    max_wall_s: float = 0.0  # >0: stop the whole run (gracefully) after this many seconds
-    live: str = "auto"  # progress view: "auto" (rich table on a terminal, lines otherwise) | "table" | "lines"
+    drain_timeout_s: float = 20.0  # a graceful stop waits this long for each role to drain
+    max_wall_s: float = 0.0  # >0: stop the whole run after this many seconds (a failure: exit code 1)
+    live: Literal["auto", "table", "lines"] = "auto"  # progress view: auto = rich table on a terminal, else lines
     lag_every_s: float = 10.0  # how often the view reads consumer lag from Kafka; 0 = never
 
     def __post_init__(self) -> None:
-        if self.generators < 0 or self.buffers < 1:
-            raise ConfigError("up.generators", "needs generators >= 0 and buffers >= 1")
-        if self.live not in ("auto", "table", "lines"):
-            raise ConfigError("up.live", "must be auto, table or lines")
+        check_choices(self, "up")
+        if self.generators < 0:
+            raise ConfigError("up.generators", "must be >= 0")
+        if self.buffers < 1:
+            raise ConfigError("up.buffers", "must be at least 1")
         if self.lag_every_s < 0:
             raise ConfigError("up.lag_every_s", "must be >= 0")
 
@@ -141,6 +88,22 @@ class RunConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+
+    def validate(self) -> None:
+        """The rules that span sections, checked when a config is loaded; each error names the keys involved.
+        (Not in ``__post_init__``: a test may replace one section of a loaded config to run a role alone.)"""
+        if self.model.source:
+            from models.hf_models import SOURCES
+
+            if self.model.source not in SOURCES:
+                raise ConfigError("model.source", f"{self.model.source!r} is not one of {list(SOURCES)}")
+        check_staleness(self)
+
+    def context(self) -> RoleContext:
+        """What every role shares (``runtime.context``): never the whole run config."""
+        return RoleContext(run=self.run, kafka=self.kafka, nats=self.nats, model=self.model,
+                           drain_timeout_s=self.up.drain_timeout_s)
 
     @property
     def names(self) -> Names:
@@ -228,8 +191,13 @@ def load_config(
     layers.append(OmegaConf.from_dotlist(env_overrides(environ, cls)))
     layers.append(OmegaConf.from_dotlist(_overrides_to_dotlist(overrides)))
     try:
-        merged = OmegaConf.merge(schema, *layers)
-        return OmegaConf.to_object(merged)
+        if cls is RunConfig:  # the staleness-derived keys: a layer under every explicit one (staleness.py)
+            explicit = {k for k in DERIVED_KEYS if any(OmegaConf.select(layer, k) is not None for layer in layers)}
+            first = OmegaConf.merge(schema, *layers)  # the sections the derivation reads, each validated alone
+            sections = SimpleNamespace(**{k: OmegaConf.to_object(first[k])
+                                          for k in ("staleness", "up", "buffer", "trainer")})
+            layers.insert(0, OmegaConf.from_dotlist(derived_overrides(sections, explicit)))
+        config = OmegaConf.to_object(OmegaConf.merge(schema, *layers))
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         msg = str(exc).splitlines()[0]
@@ -238,6 +206,9 @@ def load_config(
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError("?", str(exc)) from exc
+    if isinstance(config, RunConfig):
+        config.validate()
+    return config
 
 
 def dump_config(config: Any) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every row of a metrics.jsonl (none if it does not exist yet; a torn last line is skipped)."""
-    from streamforge.telemetry import read_jsonl
+    from runtime.telemetry import read_jsonl
 
     return read_jsonl(path) if os.path.exists(path) else []
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from topics.names import topic_table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("streamforge", "topics", "producers", "buffer", "consumers", "weightsync", "bench")
+PACKAGES = ("topics", "runtime", "models", "weightsync", "producers", "buffer", "consumers", "streamforge", "bench")
 OTHER = {
     "Makefile": "`make demo` and `make test` (each builds .venv from a fresh clone)",
     "pyproject.toml": "the distribution, its dependencies and extras, pytest settings",
@@ -24,6 +24,7 @@ OTHER = {
     "tests/unit/": "pure tests (fakes allowed, no broker)",
     "tests/integration/": "real Tansu, nats-server, vLLM CPU engine and gloo process groups",
     "tests/chaos/": "killed roles, a killed durable broker, a frozen NATS, during real runs (marked slow)",
+    "tests/helpers/": "code only the tests use: a weights-only generator process, an in-process batch maker",
 }
 
 

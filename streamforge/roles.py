@@ -1,4 +1,10 @@
-"""Role names -> the ``Service`` classes that implement them (imported lazily: each pulls heavy dependencies)."""
+"""Role names -> the ``Service`` classes that implement them, and how each is built from the run config.
+
+The role classes are imported lazily (each pulls heavy dependencies). ``build_role(name, config)`` is where the
+app hands a role its own config section and the shared ``RoleContext`` (``runtime/context.py``), never the whole
+``RunConfig``; the cross-section values a role needs (the trainer's sampling temperature, the staleness bound)
+are passed here by name.
+"""
 
 from __future__ import annotations
 
@@ -32,3 +38,18 @@ def role_class(role: str) -> Any:
         return getattr(module, cls_name)
     except AttributeError as exc:
         raise RoleNotAvailable(f"role {role!r} is not built yet ({ROLES[role]} does not exist)") from exc
+
+
+def build_role(role: str, config: Any, **kwargs: Any) -> Any:
+    """The ``role`` service for the run config ``config`` (``kwargs``: test hooks such as an injected engine)."""
+    cls = role_class(role)
+    ctx = config.context()
+    if role == "feeder":
+        return cls(config.feeder, ctx, **kwargs)
+    if role == "generator":
+        return cls(config.generator, ctx, weightsync=config.weightsync, local_source=config.feeder, **kwargs)
+    if role == "buffer":
+        return cls(config.buffer, ctx, **kwargs)
+    return cls(config.trainer, ctx, weightsync=config.weightsync,
+               temperature=config.generator.temperature, max_completion_length=config.generator.max_tokens,
+               max_staleness=config.staleness.max_versions if config.staleness.bounded else None, **kwargs)

@@ -12,7 +12,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-from streamforge.telemetry import read_spans
+from runtime.telemetry import read_spans
 
 
 def _mentions(span: dict[str, Any], episode_id: str) -> bool:

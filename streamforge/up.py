@@ -7,7 +7,13 @@ cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every
 (``trainer.max_steps`` or ``trainer.reward_target``), then drains the other roles (SIGTERM, SIGKILL after
 ``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
 why (exit code and the tail of its log) and stops the rest with exit code 1, or restarts it when
-``up.restart`` is set. First SIGINT/SIGTERM: graceful stop of everything; second: kill.
+``up.restart`` is set. A wall budget (``up.max_wall_s``) that runs out stops the run with exit code 1: the run
+did not finish. First SIGINT/SIGTERM: graceful stop of everything; second: kill.
+
+Each role runs in a process group of its own. A role's children (vLLM's engine core and workers, torchrun's
+ranks) stay in that group even when the role's main process dies and they are re-parented: before ``up``
+restarts a role, and when it exits, it kills the role's whole group and waits until nothing of it is left, so a
+crashed generator's 2.5 GiB engine never outlives it.
 
 Several generators on one CPU host: vLLM's CPU engine binds its OpenMP threads to the same cores in every process
 (core 0 on a 2-core machine), so N engines would share one core while the others idle. Unless
@@ -68,6 +74,28 @@ class Child:
                 else:
                     os.kill(self.proc.pid, sig)
 
+    def reap(self, timeout_s: float = 10.0) -> bool:
+        """Kill what is left of the role's process group (its main process has exited, or is killed too) and
+        wait until the group is empty; True when it is."""
+        if self.proc is None:
+            return True
+        pgid = self.proc.pid  # start_new_session: the role is its group's leader
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                break  # nothing of the group is left
+            except PermissionError:  # pragma: no cover - a pgid reused by someone else's process
+                break
+            self.proc.poll()  # collect the leader if it is a zombie of ours
+            if time.monotonic() > deadline:
+                log.warning("%s: process group %d still has members after SIGKILL", self.name, pgid)
+                return False
+            time.sleep(0.05)
+        self.proc.poll()
+        return True
+
     def log_tail(self, n: int = 15) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
@@ -116,6 +144,8 @@ async def _stop_children(children: list[Child], timeout_s: float) -> None:
         if c.poll() is None:
             log.warning("%s did not drain within %.0f s; killing it", c.name, timeout_s)
             c.signal(signal.SIGKILL)
+    for c in children:  # whatever each role left behind (an engine core re-parented after a crash)
+        await asyncio.to_thread(c.reap)
 
 
 class ProgressView:
@@ -205,19 +235,19 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         await ensure_topics(config.kafka, config.names, config.topics)
         model_path = config.model.path
         if not model_path and config.model.source:
-            from producers.hf_models import default_cache_dir, ensure_source_model
+            from models.hf_models import default_cache_dir, ensure_source_model
 
             cache = config.model.cache_dir or str(default_cache_dir())
             print(f"model {config.model.source}: {cache}/{config.model.source} (converted on first use)", flush=True)
             model_path = str(await asyncio.to_thread(ensure_source_model, config.model.source, cache))
         elif not model_path:
-            from producers.tiny_model import build_tiny_model
+            from models.tiny_model import build_tiny_model
 
             model_path = str(run_dir / "model")
             if not (Path(model_path) / "config.json").exists():  # in a thread: Ctrl-C is heard meanwhile
                 await asyncio.to_thread(build_tiny_model, model_path, seed=config.run.seed)
                 if config.model.warmstart_task:
-                    from consumers.warmstart import warm_start
+                    from models.warmstart import warm_start
 
                     result = await asyncio.to_thread(warm_start, model_path, config.model.warmstart_task,
                                                      seed=config.run.seed,
@@ -267,7 +297,9 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         started = time.monotonic()
         while not stop.is_set():
             if config.up.max_wall_s and time.monotonic() - started > config.up.max_wall_s:
-                print(f"wall-clock budget of {config.up.max_wall_s:.0f} s reached; stopping", flush=True)
+                print(f"wall-clock budget of {config.up.max_wall_s:.0f} s reached before the trainer finished; "
+                      "stopping (exit code 1)", file=sys.stderr, flush=True)
+                code = 1
                 break
             await asyncio.wait([waiter], timeout=1.0)
             view.refresh()
@@ -281,6 +313,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                 if config.up.restart:
                     for c in failed:
                         print(f"{c.name} exited with code {c.poll()}; restarting it", flush=True)
+                        await asyncio.to_thread(c.reap)
                         c.restarts += 1
                         c.start()
                     continue
@@ -294,7 +327,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         if view is not None:
             await view.stop()
         await _stop_children(children, config.up.drain_timeout_s)
-        if code == 0 and children:
+        if children:  # also after a failure or a spent budget: what was trained is audited
             await _finish(config)
         if embedded is not None:
             embedded.stop()
@@ -306,7 +339,7 @@ async def _finish(config: Any) -> None:
     from streamforge.plots import plot_run
 
     try:
-        from buffer.audit import run_audit
+        from streamforge.audit import run_audit
 
         result = await run_audit(config)
         (config.run_dir / "audit.json").write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2))
@@ -318,7 +351,7 @@ async def _finish(config: Any) -> None:
 
 
 def run_up(config: Any, *, config_path: str | None, overrides: list[str]) -> int:
-    from streamforge.lifecycle import install_uvloop
+    from runtime.lifecycle import install_uvloop
 
     install_uvloop()
     return asyncio.run(_up(config, config_path, overrides))

@@ -19,6 +19,27 @@ from streamforge.brokers import EmbeddedBrokers
 from streamforge.config import load_config
 from topics.admin import ensure_topics
 
+FOLDER_MARKS = {"integration": ("integration",), "chaos": ("integration", "chaos", "slow")}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Markers from the folder (``tests/integration``: integration; ``tests/chaos``: integration, chaos, slow), and
+    ``gpu`` tests skipped cleanly where CUDA is not available."""
+    cuda: bool | None = None
+    for item in items:
+        parts = Path(str(item.fspath)).parts
+        folder = parts[parts.index("tests") + 1] if "tests" in parts[:-1] else ""
+        for mark in FOLDER_MARKS.get(folder, ()):
+            item.add_marker(mark)
+        if item.get_closest_marker("gpu") is not None:
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs CUDA (a GPU test)"))
+
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -89,3 +110,4 @@ async def run_config(brokers: BrokerAddresses, tmp_path: Path):
     cfg = make_run_config(brokers, tmp_path / "run")
     await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
     return cfg
+

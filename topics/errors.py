@@ -133,3 +133,29 @@ class TimeoutExpired(StreamforgeError):
     """A bounded wait ran out (collective, request, drain)."""
 
     retriable = True
+
+
+def check_choices(cfg: object, section: str) -> None:
+    """Raise ``ConfigError`` naming ``section.field`` for any ``Literal[...]``-typed field of the config dataclass
+    ``cfg`` whose value is not one of its choices. OmegaConf checks them when a config is loaded; this covers a
+    dataclass built in code."""
+    for name, choices in _literal_fields(type(cfg)).items():
+        value = getattr(cfg, name)
+        if value not in choices:
+            raise ConfigError(f"{section}.{name}", f"{value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+_LITERALS: dict[type, dict[str, tuple[object, ...]]] = {}
+
+
+def _literal_fields(cls: type) -> dict[str, tuple[object, ...]]:
+    cached = _LITERALS.get(cls)
+    if cached is None:
+        import dataclasses
+        import typing
+
+        hints = typing.get_type_hints(cls)
+        cached = {f.name: typing.get_args(hints[f.name]) for f in dataclasses.fields(cls)
+                  if typing.get_origin(hints[f.name]) is typing.Literal}
+        _LITERALS[cls] = cached
+    return cached

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-from topics.errors import ConfigError
+from topics.errors import ConfigError, check_choices
 
 NCCL_TRANSPORTS = ("nccl", "torch-nccl")  # vLLM's PyNcclCommunicator | torch's ProcessGroupNCCL
 COLLECTIVE_TRANSPORTS = ("gloo", *NCCL_TRANSPORTS)  # pushes over a 2-rank group per generator
@@ -24,7 +25,7 @@ class WeightSyncConfig:
     from there; ``auto`` = nccl with CUDA, else gloo.
     """
 
-    transport: str = "auto"  # "auto" (nccl on GPU, gloo on CPU) | "nccl" | "torch-nccl" | "gloo" | "file"
+    transport: Literal["auto", "nccl", "torch-nccl", "gloo", "file"] = "auto"  # auto = nccl on GPU, gloo on CPU
     host: str = "127.0.0.1"  # trainer-side rendezvous host for collective transports (must be reachable)
     port: int = 0  # 0 = a free port
     generator_host: str = ""  # generator-side address for gloo sockets ("" = derived from the trainer host)
@@ -36,15 +37,12 @@ class WeightSyncConfig:
     join_timeout_s: float = 10.0  # a generator's join request (the trainer answers after starting its rendezvous)
     heartbeat_s: float = 2.0  # generator membership heartbeat period
     member_timeout_s: float = 10.0  # a generator silent for this long is dropped from the membership
-    pause_mode: str = "keep"  # vLLM pause_generation mode around a swap: "keep" | "wait"
+    pause_mode: Literal["keep", "wait"] = "keep"  # vLLM pause_generation mode around a swap
     staged_load: bool = True  # collective transports: stage each push in a shadow model before pausing (one more
     # copy of the weights in the generator; see weightsync/staging.py); False = reload inside the pause
 
     def __post_init__(self) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ConfigError("weightsync.transport", f"must be one of {', '.join(TRANSPORTS)}")
-        if self.pause_mode not in ("keep", "wait"):
-            raise ConfigError("weightsync.pause_mode", "must be 'keep' or 'wait'")
+        check_choices(self, "weightsync")
         for key in ("timeout_s", "ack_deadline_s", "join_timeout_s", "heartbeat_s", "member_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"weightsync.{key}", "must be positive")

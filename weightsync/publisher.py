@@ -78,7 +78,7 @@ class _Pair:
 
 def _metric(key: str, value: float) -> None:
     try:
-        from streamforge.metrics import record_metric
+        from runtime.metrics import record_metric
     except ImportError:
         return
     record_metric(key, value)

@@ -15,7 +15,7 @@ from topics.kafka import Consumer, Producer
 from topics.names import Names
 from topics.schemas import Episode
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 def episode(i: int) -> Episode:

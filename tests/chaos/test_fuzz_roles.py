@@ -29,8 +29,6 @@ from topics.errors import CodecError
 from topics.kafka import Producer
 from topics.schemas import Batch, DeadLetter
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
 N = 10_000
 ROLE_MAX_BYTES = 64 * 1024
 
@@ -88,10 +86,10 @@ def with_section(cfg, section: str, **kw):
 async def kv_values_under_buffer(cfg, key: str, bad: list[bytes], good: bytes, adopted) -> tuple:
     """Write ``bad`` then ``good`` to the policy bucket's ``key`` under a running buffer; wait until
     ``adopted(role)`` and until every bad value is dead-lettered. Returns the stopped role and the dead letters."""
-    from buffer.service import BufferRole
+    from streamforge.roles import build_role
     from topics.nats import PolicyStore, connect
 
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     nc = await connect(cfg.nats, name="fuzz")
@@ -155,9 +153,9 @@ async def wait_dead_letters(cfg, n: int, timeout_s: float, task: asyncio.Task) -
 
 @pytest.mark.timeout(900)
 async def test_buffer_survives_ten_thousand_bad_episodes(run_config) -> None:
-    from buffer.audit import run_audit
-    from buffer.service import BufferRole
     from buffer.synthetic import make_group
+    from streamforge.audit import run_audit
+    from streamforge.roles import build_role
 
     cfg = with_section(run_config, "buffer", groups_per_batch=2, max_batch_wait_s=0.5)
     role_cfg = with_section(cfg, "kafka", max_message_bytes=ROLE_MAX_BYTES)
@@ -170,7 +168,7 @@ async def test_buffer_survives_ten_thousand_bad_episodes(run_config) -> None:
     async with Producer(cfg.kafka) as producer:
         for e in good[8:]:
             await producer.send(cfg.names.episodes, e, key=e.group_id)
-    role = BufferRole(role_cfg)
+    role = build_role("buffer", role_cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -192,8 +190,8 @@ async def test_buffer_survives_ten_thousand_bad_episodes(run_config) -> None:
 @pytest.mark.timeout(900)
 async def test_trainer_survives_ten_thousand_bad_batches(run_config, tmp_path) -> None:
     from consumers.ledger import Ledger
-    from consumers.trainer import TrainerRole
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
+    from streamforge.roles import build_role
 
     make_batch = trainer_test_helpers().make_batch
     cfg = two_step_trainer(run_config, build_tiny_model(tmp_path / "tiny", seed=0))
@@ -206,7 +204,7 @@ async def test_trainer_survives_ten_thousand_bad_batches(run_config, tmp_path) -
         await asyncio.gather(*futs)
         for b in good:
             await producer.send(cfg.names.batches, b, key=b.batch_id)
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     await asyncio.wait_for(role.serve(), 600)
     assert role.finished_reason.startswith("max_steps")
     assert [r["batch_ids"] for r in Ledger.read(cfg.run_dir)] == [[b.batch_id] for b in good]
@@ -221,10 +219,10 @@ async def test_trainer_survives_ten_thousand_bad_batches(run_config, tmp_path) -
 async def test_generator_survives_ten_thousand_bad_prompts(run_config, tmp_path) -> None:
     """10,000 undecodable prompt records plus prompts that decode but no engine can take (empty, longer than
     max_model_len, token ids outside the vocabulary), around good ones, through a generator running real vLLM."""
+    from models.tiny_model import build_tiny_model
     from producers.engine import Engine
-    from producers.generator import GeneratorRole
     from producers.sources import toy_prompts
-    from producers.tiny_model import build_tiny_model
+    from streamforge.roles import build_role
     from topics.schemas import Episode, Prompt
 
     model = build_tiny_model(tmp_path / "tiny", seed=0)
@@ -251,7 +249,7 @@ async def test_generator_survives_ten_thousand_bad_prompts(run_config, tmp_path)
 
     engine = Engine(str(model), max_model_len=64, seed=0)
     await engine.start()
-    role = GeneratorRole(role_cfg, engine=engine)
+    role = build_role("generator", role_cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -298,8 +296,8 @@ async def test_trainer_survives_ten_thousand_bad_membership_and_ack_messages(run
     """10,000 hostile messages each on the membership and ack subjects of a running trainer's weight publisher:
     each is dead-lettered (source = the subject) with its reason, and the trainer then trains its batches."""
     from consumers.ledger import Ledger
-    from consumers.trainer import TrainerRole
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
+    from streamforge.roles import build_role
     from topics.nats import connect
     from topics.schemas import Membership, VersionAck
 
@@ -309,7 +307,7 @@ async def test_trainer_survives_ten_thousand_bad_membership_and_ack_messages(run
     bad_members = hostile(Membership(generator_id="g", event="join"), N, seed=5, nan_field="reward",
                           max_bytes=max_bytes)
     bad_acks = hostile(VersionAck(generator_id="g", version=1), N, seed=6, nan_field="reward", max_bytes=max_bytes)
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     task = asyncio.create_task(role.serve())
     nc = await connect(cfg.nats, name="fuzz")
     try:
@@ -390,8 +388,8 @@ async def test_buffer_survives_ten_thousand_bad_fencing_records(run_config) -> N
 async def test_sft_trainer_survives_ten_thousand_bad_examples(run_config, tmp_path) -> None:
     """The ``sft`` topic: 10,000 hostile records before the good examples of a trainer in SFT mode."""
     from consumers.ledger import Ledger
-    from consumers.trainer import TrainerRole
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
+    from streamforge.roles import build_role
     from topics.schemas import SFTExample
 
     cfg = two_step_trainer(run_config, build_tiny_model(tmp_path / "tiny", seed=0))
@@ -407,7 +405,7 @@ async def test_sft_trainer_survives_ten_thousand_bad_examples(run_config, tmp_pa
         await asyncio.gather(*futs)
         for ex in good:
             await producer.send(cfg.names.sft, ex, key=ex.example_id)
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     await asyncio.wait_for(role.serve(), 600)
     assert role.finished_reason.startswith("max_steps") and len(Ledger.read(cfg.run_dir)) == 2
     letters = await read_topic(big, cfg.names.dead_letter, expect=DeadLetter)

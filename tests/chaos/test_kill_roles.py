@@ -2,8 +2,10 @@
 each (``up.restart``). Then the audit must show 0 episodes lost and 0 episodes in two trained batches, and training
 must have continued from its checkpoint to ``max_steps`` with every ledger step present exactly once.
 
-Each kill takes a role's whole process group (a vLLM generator's engine processes too), as a crashed container
-would. Marked slow; bounded by the run's own wall-clock budget.
+The buffer and trainer kills take the role's whole process group, as a crashed container would. The generator
+kill takes its main process only: its vLLM engine core and worker, re-parented to init, must not outlive it (``up``
+reaps the group before the restart), and when ``up`` exits nothing of any role is left. Marked slow; bounded by
+the run's own wall-clock budget.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 
 from streamforge.plots import read_metrics
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 90
@@ -39,6 +41,36 @@ def kill_group(pid: int) -> None:
         pass
 
 
+def group_members(pgid: int) -> set[int]:
+    """Live processes (not zombies) of process group ``pgid``, from /proc."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, ...
+            out.add(int(stat.parent.name))
+    return out
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = {p for p in pids if Path(f"/proc/{p}").exists() and "Z" not in _state(p)}
+        if not alive:
+            return set()
+        time.sleep(0.2)
+    return alive
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
 @pytest.mark.timeout(1200)
 def test_killed_roles_restart_and_nothing_is_lost_or_trained_twice(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
@@ -51,6 +83,8 @@ def test_killed_roles_restart_and_nothing_is_lost_or_trained_twice(tmp_path: Pat
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     plan = [(15, "generator"), (35, "buffer"), (55, "trainer")]
     killed: list[tuple[str, int]] = []
+    groups: set[int] = set()  # every role's process group seen
+    orphans: set[int] = set()
     try:
         deadline = time.monotonic() + 1000
         while plan and time.monotonic() < deadline and up.poll() is None:
@@ -59,14 +93,26 @@ def test_killed_roles_restart_and_nothing_is_lost_or_trained_twice(tmp_path: Pat
                 _, role = plan.pop(0)
                 pid = role_pid(run_dir, role)
                 assert pid is not None, f"no {role} process to kill"
-                kill_group(pid)
+                groups.add(os.getpgid(pid))
+                if role == "generator":  # the main process alone: its engine processes are left to up
+                    orphans = group_members(os.getpgid(pid)) - {pid}
+                    assert orphans, "the generator has no engine processes to orphan"
+                    os.kill(pid, signal.SIGKILL)
+                    assert wait_gone(orphans, 60) == set(), "the killed generator's engine outlived it"
+                else:
+                    kill_group(pid)
                 killed.append((role, steps))
+            for role in ("generator", "buffer", "trainer", "feeder"):
+                if (pid := role_pid(run_dir, role)) is not None:
+                    groups.add(os.getpgid(pid))
             time.sleep(0.5)
         out, _ = up.communicate(timeout=max(60, deadline - time.monotonic()))
     finally:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
     assert [r for r, _ in killed] == ["generator", "buffer", "trainer"], out[-3000:]
+    left = {g: group_members(g) for g in groups}
+    assert not any(left.values()), f"processes of the run outlived up: {left}"
     assert up.returncode == 0, out[-4000:]
     assert "restarting it" in out
     ledger = [orjson.loads(line) for line in (run_dir / "trainer" / "ledger.jsonl").read_bytes().splitlines()]
@@ -107,8 +153,8 @@ def test_nats_outage_of_ten_seconds_hangs_nothing(tmp_path: Path) -> None:
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert len(rows) >= 60 > stopped_at
     # while NATS is frozen the trainer trains the bounded backlog (the generator's quota stops it taking prompts
-    # it cannot be sure the trainer wants) and cannot announce versions; afterwards everyone catches up
-    assert max(r["staleness_mean"] for r in rows[stopped_at:]) <= 48
-    assert max(r["staleness_mean"] for r in rows[-10:]) <= 1 + 2  # buffer.max_policy_lag once caught up
+    # it cannot be sure the trainer wants) and cannot announce versions; afterwards everyone catches up, and no
+    # batch trained was staler than the bound (the trainer drops one that would be)
+    assert max(r["staleness_mean"] for r in rows) <= 2  # staleness.max_versions holds through the outage
     audit = orjson.loads((run_dir / "audit.json").read_bytes())
     assert audit["lost"] == 0 and audit["trained_twice"] == 0, audit

@@ -15,7 +15,7 @@ from streamforge.config import dump_config
 from topics.kafka import Producer
 from topics.schemas import DropRecord
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
 

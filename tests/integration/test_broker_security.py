@@ -38,7 +38,7 @@ from topics.nats import connect
 sys.path.insert(0, str(Path(__file__).parent))
 from certs import make_certs
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 
 async def wait_for_port(port: int, *, tries: int, delay_s: float) -> None:

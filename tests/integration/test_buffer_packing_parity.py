@@ -14,12 +14,12 @@ from buffer.synthetic import make_group
 from topics import codec
 from topics.schemas import Batch
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3)
 

@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 
 import numpy as np
 import orjson
 import pytest
 
-from buffer.audit import run_audit
-from buffer.service import BufferRole
 from buffer.synthetic import make_group
+from helpers.configs import unbounded
+from streamforge.audit import run_audit
+from streamforge.roles import build_role
 from topics.admin import read_topic
 from topics.kafka import Consumer, Producer, TopicPartition
 from topics.nats import PolicyStore, connect
 from topics.schemas import Batch, DropRecord, PolicyVersion
 from weightsync.members import FENCED_KEY
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def with_buffer(cfg, **kw):
-    return dataclasses.replace(cfg, buffer=dataclasses.replace(cfg.buffer, **kw))
+    """A buffer run alone: no trainer publishes versions, so no batches-ahead cap unless a test sets one."""
+    return unbounded(cfg, **kw)
 
 
 async def produce(cfg, episodes, *, raw: list[bytes] = ()) -> None:
@@ -63,7 +64,7 @@ async def test_episodes_in_batches_out_counts_reconcile(run_config):
     episodes = [*good, *stale, *flat, *long, *partial, *dup]
     await produce(cfg, episodes, raw=[b"\x00not msgpack", b"\x81\xa6schema\xa3zzz"])
 
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -118,7 +119,7 @@ async def test_backpressure_caps_held_episodes(run_config):
     # groups whose last episode never comes: the buffer must not read the whole backlog into memory
     heads = [e for g in range(10) for e in make_group(f"h{g}", 4)[:3]]
     await produce(cfg, heads)
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     peak = 0
@@ -139,7 +140,7 @@ async def test_graceful_stop_publishes_partial_batch_and_commits(run_config):
     cfg = with_buffer(run_config, groups_per_batch=4, max_batch_wait_s=60.0)
     episodes = make_group("a", 4) + make_group("b", 4) + make_group("c", 4)[:2]  # c stays incomplete
     await produce(cfg, episodes)
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -176,7 +177,7 @@ async def test_stalled_trainer_holds_groups_then_stale_ones_are_dropped(run_conf
     rev = await store.publish(PolicyVersion(version=1, step=0), expected_revision=0)
     old = [e for g in range(10) for e in make_group(f"old{g}", 4, version=1)]
     await produce(cfg, old)
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -211,7 +212,7 @@ async def test_fenced_generator_episodes_are_dropped(run_config):
     for e in late:
         e.generator_id = "gen-late"
     await produce(cfg, late + ok)
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -231,7 +232,7 @@ async def test_packed_batches_out_hold_every_episode_once(run_config):
     lengths = [(6, 10), (12, 30), (4, 4), (9, 17), (20, 40), (5, 8)]  # rows of 16..60 tokens
     episodes = [e for i, (p, r) in enumerate(lengths) for e in make_group(f"p{i}", 4, prompt_len=p, response_len=r)]
     await produce(cfg, episodes)
-    role = BufferRole(cfg)
+    role = build_role("buffer", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:

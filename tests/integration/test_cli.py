@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[2]
 

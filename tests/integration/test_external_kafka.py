@@ -19,7 +19,7 @@ from topics.errors import ConfigError
 from topics.kafka import Consumer, Producer
 from topics.schemas import Prompt
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture

@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-from producers.feeder import FeederRole, GroupOffsets
+from producers.feeder import GroupOffsets
 from producers.sources import toy_prompts
+from streamforge.roles import build_role
 from topics.admin import read_topic
 from topics.kafka import Consumer
 from topics.schemas import Prompt, SFTExample
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def with_feeder(cfg, **kw):
@@ -33,7 +34,7 @@ async def wait_until(predicate, timeout_s: float, what: str, task: asyncio.Task)
 
 async def test_feeds_prompts_keyed_by_id_and_waits_for_the_generators(run_config):
     cfg = with_feeder(run_config, source="toy:reverse", num_prompts=10, max_in_flight=4, seed=3)
-    feeder = FeederRole(cfg)
+    feeder = build_role("feeder", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(feeder.serve(stop))
     await wait_until(lambda: feeder.sent == 4, 30, "4 prompts", task)
@@ -78,7 +79,7 @@ async def test_sft_source_goes_to_the_sft_topic(run_config, tmp_path):
     path = tmp_path / "sft.jsonl"
     path.write_text('{"prompt": "1+1=", "completion": "2", "id": "a"}\n{"prompt": "2+2=", "completion": "4"}\n')
     cfg = with_feeder(run_config, source=f"sft_jsonl:{path}", num_prompts=3)
-    feeder = FeederRole(cfg)
+    feeder = build_role("feeder", cfg)
     stop = asyncio.Event()
     task = asyncio.create_task(feeder.serve(stop))
     await wait_until(feeder.finished.is_set, 30, "the end of the source", task)

@@ -25,19 +25,19 @@ import numpy as np
 import orjson
 import pytest
 
+from models.tasks import TASKS
+from models.tiny_model import build_tiny_model
 from producers.engine import Engine
 from producers.feeder import GroupOffsets
-from producers.generator import GeneratorRole
 from producers.sources import toy_prompts
-from producers.tasks import TASKS
-from producers.tiny_model import build_tiny_model
 from streamforge.config import dump_config
+from streamforge.roles import build_role
 from topics import codec
 from topics.admin import read_topic
 from topics.kafka import Consumer, Producer, TopicPartition
 from topics.schemas import DeadLetter, Episode, Prompt
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,14 +152,14 @@ async def stop_role(stop: asyncio.Event, task: asyncio.Task) -> None:
 # -- tests ------------------------------------------------------------------------------------------------------
 
 async def test_episodes_groups_tokens_logprobs_rewards(run_config, engine, model_dir):
-    from streamforge.metrics import configure_metrics
+    from runtime.metrics import configure_metrics
 
     cfg = configure(run_config, model_dir, group_size=4, max_tokens=8, rewards=["toy"], generator_id="g1",
                     metrics_every_s=0.5)
     prompts = [p for _, p in zip(range(6), toy_prompts("addmod10", seed=11))]
     await feed(cfg, prompts)
     configure_metrics("generator-g1", cfg.run_dir, ["jsonl"])
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
@@ -230,7 +230,7 @@ async def test_local_source_mode(run_config, engine, model_dir):
     """``prompt_source=local``: the feeder's source runs in-process; episodes still go to the topic."""
     cfg = configure(run_config, model_dir, prompt_source="local", group_size=2, max_tokens=4, rewards=["toy"])
     cfg = dataclasses.replace(cfg, feeder=dataclasses.replace(cfg.feeder, source="toy:reverse", num_prompts=3))
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     async with Tail(cfg, cfg.names.episodes, Episode) as tail:
@@ -246,7 +246,7 @@ async def test_reward_failures_go_to_dead_letter(run_config, engine, model_dir):
     prompts = [Prompt(prompt_id=f"p{i}", task="addmod10", text=f"{i}+1=", answer=str((i + 1) % 10),
                       metadata={"reward": action}) for i, action in enumerate(["", "raise", "hang", ""])]
     await feed(cfg, prompts)
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     async with Tail(cfg, cfg.names.dead_letter, DeadLetter) as dead:
@@ -280,7 +280,7 @@ async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, 
                     rewards=["tests.integration.test_generator:slow_reward"])
     prompts = [p for _, p in zip(range(4), toy_prompts("reverse", seed=8))]
     await feed(cfg, prompts)
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     deadline = time.monotonic() + 60
@@ -314,7 +314,7 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
     log_path = tmp_path / "victim.log"
     with open(log_path, "wb") as log_file:  # noqa: ASYNC230 - a local file, once
         victim = subprocess.Popen(
-            [sys.executable, "-m", "producers.generator", "--config", str(config_path)],
+            [sys.executable, "-m", "streamforge", "run", "generator", "--config", str(config_path)],
             cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         async with Tail(cfg, cfg.names.episodes, Episode) as tail:
@@ -327,7 +327,7 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
             assert committed_at_kill != prompt_partitions(fed), "the victim finished everything before the kill"
 
             survivor_cfg = configure(cfg, model_dir, **overrides, generator_id="survivor", rewards=["toy"])
-            role = GeneratorRole(survivor_cfg, engine=engine)
+            role = build_role("generator", survivor_cfg, engine=engine)
             stop = asyncio.Event()
             task = asyncio.create_task(role.serve(stop))
             want = {f"{p.prompt_id}/{i}" for p in prompts for i in range(2)}
@@ -391,7 +391,7 @@ async def test_follows_published_versions_and_holds_when_behind(run_config, engi
     nc = await connect(cfg.nats, name="test-trainer")
     store = PolicyStore(nc, cfg.names)
     await store.start()
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     prompts = [p for _, p in zip(range(4), toy_prompts("addmod10", seed=21))]
@@ -442,7 +442,7 @@ async def test_quota_keeps_the_generator_at_most_lag_versions_ahead(run_config, 
     store = PolicyStore(nc, cfg.names)
     await store.start()
     rev = await store.publish(PolicyVersion(version=0, step=0, transport="none"), expected_revision=0)
-    role = GeneratorRole(cfg, engine=engine)
+    role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:

@@ -50,7 +50,7 @@ from topics.errors import AuthenticationFailed, BrokerUnavailable
 from topics.kafka import Consumer, Producer
 from topics.names import Names
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
+pytestmark = pytest.mark.timeout(90)
 
 PASSWORD_ENV = "SF_TEST_KAFKA_SASL_PASSWORD"
 SECRET = "pw-not-in-errors"

@@ -14,7 +14,7 @@ from topics.admin import highwaters, read_topic
 from topics.kafka import Consumer, DeadLetters, Producer
 from topics.schemas import DeadLetter, Episode
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def episode(i: int, group: str = "g1") -> Episode:

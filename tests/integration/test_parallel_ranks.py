@@ -40,8 +40,6 @@ import torch
 from consumers.losses import register_loss
 from topics.schemas import Batch
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
@@ -257,7 +255,7 @@ WORKER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 

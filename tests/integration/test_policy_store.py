@@ -10,7 +10,7 @@ from topics.errors import StaleWriter
 from topics.nats import PolicyStore, connect, decode_msg, msg_context
 from topics.schemas import PolicyVersion
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+pytestmark = pytest.mark.timeout(60)
 
 
 async def test_publish_latest_watch_and_compare_and_set(run_config) -> None:

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from streamforge.progress import Lag, read_lag
 from topics.kafka import Consumer, Producer
 from topics.schemas import Prompt
-
-pytestmark = pytest.mark.integration
 
 
 async def test_lag_is_produced_minus_committed(run_config) -> None:

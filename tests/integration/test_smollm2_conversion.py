@@ -1,4 +1,4 @@
-"""SmolLM2-135M converted from its GGUF (producers/hf_models.py): one untied fp32 HF dir that transformers and the
+"""SmolLM2-135M converted from its GGUF (models/hf_models.py): one untied fp32 HF dir that transformers and the
 trainer's torchtitan model (consumers/model.py) load with the same logits as the original GGUF model.
 
 Measured here (fp32, 2 prompts, the shorter one's length): converted dir vs the GGUF model in transformers
@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from producers.hf_models import SMOLLM2_GGUF, ensure_source_model, smollm2_gguf
+from models.hf_models import SMOLLM2_GGUF, ensure_source_model, smollm2_gguf
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.bigmodel]
+pytestmark = [pytest.mark.slow, pytest.mark.bigmodel]
 
 TEXTS = ["What is 12 + 7? Answer with a number.", "Spell 'streamforge' backward:"]
 

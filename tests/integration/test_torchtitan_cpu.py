@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.integration
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -67,7 +65,7 @@ WORKER = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 

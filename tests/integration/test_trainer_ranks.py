@@ -14,12 +14,10 @@ from test_trainer_role import ROOT, latest_version, make_batch, produce
 
 from consumers.ledger import Ledger
 
-pytestmark = pytest.mark.integration
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
@@ -31,7 +29,7 @@ async def launch(cfg, tiny_dir: Path, max_steps: int, log: Path) -> int:
            f"--kafka.bootstrap={cfg.kafka.bootstrap}", f"--nats.url={cfg.nats.url}", f"--model.path={tiny_dir}",
            f"--trainer.max_steps={max_steps}", "--trainer.checkpoint_every=2", "--trainer.poll_timeout_ms=200",
            "--weightsync.transport=file", "--weightsync.ack_deadline_s=1", "--telemetry.traces=none",
-           "--telemetry.metrics=[]"]
+           "--telemetry.metrics=[]", "--staleness.max_versions=-1"]  # batches made beforehand: no staleness bound
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as fh:  # noqa: ASYNC230
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from consumers.ledger import Ledger
+from helpers.configs import unbounded
 from topics.admin import read_topic
 from topics.kafka import Producer
 from topics.nats import PolicyStore, connect
 from topics.schemas import Batch, DeadLetter, SFTExample
 
-pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,7 +43,7 @@ def make_batch(i: int, *, b: int = 4, t: int = 12, version: int = 0) -> Batch:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 
@@ -68,9 +68,9 @@ async def latest_version(cfg):
 
 @pytest.mark.timeout(180)
 async def test_batches_in_versions_out(run_config, tiny_dir: Path):
-    from consumers.trainer import TrainerRole
+    from streamforge.roles import build_role
 
-    cfg = run_config
+    cfg = unbounded(run_config)  # batches made beforehand: no staleness bound
     cfg.model.path = str(tiny_dir)
     cfg.trainer.max_steps = 3
     cfg.trainer.checkpoint_every = 2
@@ -87,7 +87,7 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     too_long = make_batch(98, t=cfg.model.max_seq_len + 1)
     await produce(cfg, cfg.names.batches, [too_long, batches[2], make_batch(99)])
 
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     await asyncio.wait_for(role.serve(), 150)
     assert role.finished_reason.startswith("max_steps")
 
@@ -128,10 +128,44 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
 
 
 @pytest.mark.timeout(180)
-async def test_sft_mode_learns_completions(run_config, tiny_dir: Path):
-    from consumers.trainer import TrainerRole
+async def test_a_batch_too_stale_when_its_turn_comes_is_dropped_and_counted(run_config, tiny_dir: Path):
+    """staleness.max_versions (2 here) holds where it matters, when the trainer reaches a batch: after three
+    versions, batches sampled at version 0 are refused (dead-lettered as ``stale``, counted), a fresh one trains."""
+    from streamforge.roles import build_role
 
     cfg = run_config
+    assert cfg.staleness.max_versions == 2
+    cfg.model.path = str(tiny_dir)
+    cfg.trainer.max_steps = 4
+    cfg.trainer.checkpoint_every = 100
+    cfg.weightsync.transport = "file"
+    cfg.weightsync.ack_deadline_s = 2.0
+    old = [make_batch(i) for i in range(5)]  # all sampled by version 0
+    await produce(cfg, cfg.names.batches, [*old, make_batch(5, version=3)])
+    role = build_role("trainer", cfg)
+    await asyncio.wait_for(role.serve(), 150)
+    assert role.finished_reason.startswith("max_steps")
+    ledger = Ledger.read(cfg.run_dir)
+    # trained at versions 0, 1, 2 (staleness <= 2); at version 3 batches 3 and 4 are 3 versions behind
+    assert [r["batch_ids"][0] for r in ledger] == ["batch-000", "batch-001", "batch-002", "batch-005"]
+    import orjson
+
+    rows = [orjson.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    assert max(r["staleness_max"] for r in rows) <= 2 and rows[-1]["stale_batches"] == 2
+    letters = await read_topic(cfg.kafka, cfg.names.dead_letter, expect=DeadLetter)
+    assert [x.value.reason for x in letters] == ["stale", "stale"]
+    assert all("staleness.max_versions 2" in x.value.detail for x in letters)
+    from streamforge.audit import run_audit
+
+    audit = await run_audit(cfg)
+    assert audit["stale_batches"] == 2 and audit["stale_batch_episodes"] == 8
+
+
+@pytest.mark.timeout(180)
+async def test_sft_mode_learns_completions(run_config, tiny_dir: Path):
+    from streamforge.roles import build_role
+
+    cfg = unbounded(run_config)  # batches made beforehand: no staleness bound
     cfg.model.path = str(tiny_dir)
     cfg.trainer.mode = "sft"
     cfg.trainer.max_steps = 12
@@ -142,7 +176,7 @@ async def test_sft_mode_learns_completions(run_config, tiny_dir: Path):
     examples = [SFTExample(example_id=f"ex{i}", prompt=f"{i % 4}+1=", completion=str(i % 4 + 1))
                 for i in range(48)]
     await produce(cfg, cfg.names.sft, examples)
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     await asyncio.wait_for(role.serve(), 150)
     import orjson
     rows = [orjson.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_bytes().splitlines()]
@@ -158,7 +192,7 @@ def _trainer_cmd(cfg, tiny_dir: Path, max_steps: int) -> list[str]:
             f"--kafka.bootstrap={cfg.kafka.bootstrap}", f"--nats.url={cfg.nats.url}",
             f"--model.path={tiny_dir}", f"--trainer.max_steps={max_steps}", "--trainer.checkpoint_every=4",
             "--trainer.poll_timeout_ms=200", "--weightsync.transport=file", "--weightsync.ack_deadline_s=1",
-            "--telemetry.traces=none", "--telemetry.metrics=[]"]
+            "--telemetry.traces=none", "--telemetry.metrics=[]", "--staleness.max_versions=-1"]
 
 
 async def _wait_for(pred, timeout: float, proc: subprocess.Popen, what: str) -> None:
@@ -173,7 +207,7 @@ async def _wait_for(pred, timeout: float, proc: subprocess.Popen, what: str) -> 
 
 @pytest.mark.timeout(300)
 async def test_sigkill_after_checkpoint_restart_trains_each_batch_once(run_config, tiny_dir: Path):
-    cfg = run_config
+    cfg = unbounded(run_config)  # batches made beforehand: no staleness bound
     total = 12
     batches = [make_batch(i) for i in range(total)]
     await produce(cfg, cfg.names.batches, batches[:7])
@@ -216,9 +250,9 @@ async def test_sigkill_after_checkpoint_restart_trains_each_batch_once(run_confi
 
 @pytest.mark.timeout(180)
 async def test_reward_target_stops_and_graceful_stop_checkpoints(run_config, tiny_dir: Path):
-    from consumers.trainer import TrainerRole
+    from streamforge.roles import build_role
 
-    cfg = run_config
+    cfg = unbounded(run_config)  # batches made beforehand: no staleness bound
     cfg.model.path = str(tiny_dir)
     cfg.trainer.reward_target = 0.9
     cfg.trainer.reward_window = 2
@@ -230,7 +264,7 @@ async def test_reward_target_stops_and_graceful_stop_checkpoints(run_config, tin
     for b in good:
         b.rewards[:] = 1.0
     await produce(cfg, cfg.names.batches, [make_batch(50), *good])
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     await asyncio.wait_for(role.serve(), 150)
     assert role.finished_reason.startswith("mean reward")
     assert len(Ledger.read(cfg.run_dir)) == 3  # batch 50 (mixed rewards), then two at 1.0
@@ -238,7 +272,7 @@ async def test_reward_target_stops_and_graceful_stop_checkpoints(run_config, tin
 
     # A graceful stop (SIGTERM in a process) while waiting for batches: checkpoint, export, release.
     cfg.trainer.reward_target = 0.0
-    role = TrainerRole(cfg)
+    role = build_role("trainer", cfg)
     stop = asyncio.Event()
     task = asyncio.ensure_future(role.serve(stop))
     await produce(cfg, cfg.names.batches, [make_batch(60)])

@@ -15,11 +15,11 @@ from pathlib import Path
 import orjson
 import pytest
 
+from runtime.telemetry import read_spans
 from streamforge.plots import read_metrics
-from streamforge.telemetry import read_spans
 from streamforge.traceview import episode_spans
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 120

@@ -17,10 +17,10 @@ from pathlib import Path
 import orjson
 import pytest
 
+from runtime.telemetry import read_spans
 from streamforge.plots import read_metrics
-from streamforge.telemetry import read_spans
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.bigmodel]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.bigmodel]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2

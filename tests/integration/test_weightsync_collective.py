@@ -27,7 +27,7 @@ from weightsync.collective import (
 )
 from weightsync.wire import pack
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _named(seed: int) -> list[tuple[str, torch.Tensor]]:
@@ -147,6 +147,7 @@ def _spawn_nccl(address: str, session: str, mode: str, backend: str):
 nccl_backends = pytest.mark.parametrize("backend", NCCL_BACKENDS)
 
 
+@pytest.mark.gpu
 @two_gpus
 @nccl_backends
 def test_nccl_pushes_go_from_gpu_to_gpu_bit_exact(backend):
@@ -174,6 +175,7 @@ def test_nccl_pushes_go_from_gpu_to_gpu_bit_exact(backend):
             proc.kill()
 
 
+@pytest.mark.gpu
 @two_gpus
 @nccl_backends
 def test_nccl_peer_killed_mid_push_is_bounded_by_the_timeout(backend):

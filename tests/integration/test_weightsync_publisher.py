@@ -18,7 +18,7 @@ from weightsync.files import read_version
 from weightsync.members import FENCED_KEY, parse_fenced
 from weightsync.publisher import VersionRegression, WeightPublisher
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+pytestmark = pytest.mark.timeout(120)
 
 
 def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:

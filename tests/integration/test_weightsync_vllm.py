@@ -22,14 +22,14 @@ from weightsync.files import read_version
 from weightsync.publisher import WeightPublisher
 from weightsync.receiver import WeightReceiver
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
 PROMPTS = [[1, 14, 15, 4, 6, 45, 50], [1, 30, 31, 32, 33, 34, 35, 36, 37, 38], [1, 7, 8, 9, 10, 11]]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
 

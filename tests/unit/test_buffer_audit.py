@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from buffer.audit import read_ledger, reconcile
+from streamforge.audit import read_ledger, reconcile
 
 
 def ledger(*steps):

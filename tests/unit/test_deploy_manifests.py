@@ -362,9 +362,9 @@ def test_compose_env_is_config_keys_and_loads(name, tmp_path):
 def test_compose_model_init_calls_the_tiny_model_builder():
     command = compose()["services"]["model-init"]["command"]
     assert command[:2] == ["python", "-c"]
-    tree = ast.parse((ROOT / "producers" / "tiny_model.py").read_text())
+    tree = ast.parse((ROOT / "models" / "tiny_model.py").read_text())
     assert "build_tiny_model" in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-    assert "from producers.tiny_model import build_tiny_model" in command[2]
+    assert "from models.tiny_model import build_tiny_model" in command[2]
 
 
 def test_compose_gpu_override_targets_real_services():

@@ -125,7 +125,7 @@ def test_build_episodes_ids_versions_and_lengths():
     import numpy as np
 
     from producers.engine import Completion
-    from producers.generator import build_episodes
+    from producers.pipeline import build_episodes
     from topics.schemas import Prompt
 
     prompt = Prompt(prompt_id="addmod10-0-3", task="addmod10", text="1+2=", answer="3", created_at=0.0)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.hf_models import default_cache_dir, ensure_source_model, smollm2_gguf
+from models.hf_models import default_cache_dir, ensure_source_model, smollm2_gguf
 from streamforge.config import load_config
 from topics.errors import ConfigError
 
@@ -48,10 +48,9 @@ def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path
 
 
 def test_roles_started_alone_resolve_the_source_not_the_tiny_model(tmp_path) -> None:
-    """`streamforge run generator|trainer` without up: the generator's ensure_model and the trainer's model_dir_for
-    find the converted source in its cache dir (here a cache already holding it), never build the tiny model."""
-    from consumers.engine import model_dir_for
-    from producers.tiny_model import ensure_model
+    """`streamforge run generator|trainer` without up: both roles' ensure_model finds the converted source in its
+    cache dir (here a cache already holding it), never builds the tiny model."""
+    from models.tiny_model import ensure_model
 
     cached = tmp_path / "cache" / "smollm2-135m"
     cached.mkdir(parents=True)
@@ -60,6 +59,6 @@ def test_roles_started_alone_resolve_the_source_not_the_tiny_model(tmp_path) -> 
     run_dir = tmp_path / "run"
     config = load_config(ROOT / "configs" / "smollm2.yaml",
                          [f"--run.run_dir={run_dir}", f"--model.cache_dir={tmp_path / 'cache'}"], environ={})
-    assert model_dir_for(config) == cached
-    assert ensure_model("", run_dir, source=config.model.source, cache_dir=config.model.cache_dir) == cached
+    m = config.context().model  # what each role receives
+    assert ensure_model(m.path, run_dir, source=m.source, cache_dir=m.cache_dir) == cached
     assert not run_dir.exists()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from streamforge.lifecycle import Service
+from runtime.lifecycle import Service
 from topics.errors import RoleCrashed
 
 
@@ -93,7 +93,7 @@ async def test_a_loop_that_returns_is_a_crash() -> None:
 
 SCRIPT = textwrap.dedent("""
     import asyncio, gc, sys
-    from streamforge.lifecycle import Service, run_service
+    from runtime.lifecycle import Service, run_service
 
     class Slow(Service):
         name = "slow"

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-WIRE_DIRS = ("topics", "producers", "buffer", "consumers", "weightsync", "streamforge")
+WIRE_DIRS = ("topics", "runtime", "models", "producers", "buffer", "consumers", "weightsync", "streamforge")
 
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve", "jsonpickle", "joblib"}
 DYNAMIC_IMPORTS = {"importlib.import_module", "importlib.__import__", "pkgutil.resolve_name"}
@@ -38,7 +38,7 @@ SAFE_YAML_LOADERS = {"SafeLoader", "CSafeLoader", "yaml.SafeLoader", "yaml.CSafe
 # Reviewed config-driven import sites: (path relative to the repo root, enclosing function) -> what feeds it.
 ALLOWED_DYNAMIC_IMPORTS: dict[tuple[str, str], str] = {
     ("streamforge/roles.py", "role_class"): "module from the fixed ROLES table, looked up by the CLI's role name",
-    ("streamforge/plugins.py", "load_object"): "user plugins named in config: generator.rewards 'module:callable' "
+    ("runtime/plugins.py", "load_object"): "user plugins named in config: generator.rewards 'module:callable' "
                                                "(RewardSet) and trainer.loss 'module:factory' (make_loss), resolved "
                                                "once at start-up, never from a message",
 }

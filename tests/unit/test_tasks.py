@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from producers.tasks import TASKS, first_answer, get_task
-from producers.tiny_model import ALPHABET
+from models.tasks import TASKS, first_answer, get_task
+from models.tiny_model import ALPHABET
 
 
 def test_registry_has_the_agreed_tasks():

@@ -11,8 +11,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link
 
-from streamforge.metrics import MetricsLogger, reduce_values
-from streamforge.telemetry import JsonlSpanExporter, read_spans
+from runtime.metrics import MetricsLogger, reduce_values
+from runtime.telemetry import JsonlSpanExporter, read_spans
 from streamforge.traceview import episode_spans, render_episode_trace
 
 

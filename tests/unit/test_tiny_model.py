@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from producers.tiny_model import ALPHABET, BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tiny_model, load_tokenizer
+from models.tiny_model import ALPHABET, BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, build_tiny_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")

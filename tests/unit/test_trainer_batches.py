@@ -15,7 +15,7 @@ from topics.schemas import Batch, SFTExample
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=2)
 
@@ -25,8 +25,8 @@ def test_sampled_logprobs_align_with_trainer_logprobs(tiny_dir: Path):
     positions: the Batch alignment convention of topics/schemas.py holds end to end."""
     from consumers.model import load_policy, token_logprobs
     from consumers.step import batch_inputs
-    from consumers.toybatches import ToyBatchMaker
-    from producers.tiny_model import load_tokenizer
+    from helpers.toybatches import ToyBatchMaker
+    from models.tiny_model import load_tokenizer
 
     pol = load_policy(tiny_dir, max_seq_len=32)
     maker = ToyBatchMaker("reverse", load_tokenizer(tiny_dir), prompts=3, group_size=4, max_tokens=4, seed=5)
@@ -48,7 +48,7 @@ def test_sampled_logprobs_align_with_trainer_logprobs(tiny_dir: Path):
 
 def test_sft_collate_masks_completion_and_eos(tiny_dir: Path):
     from consumers.sft import collate_sft
-    from producers.tiny_model import EOS_ID, load_tokenizer
+    from models.tiny_model import EOS_ID, load_tokenizer
 
     tok = load_tokenizer(tiny_dir)
     batch = collate_sft(tok, [SFTExample(example_id="a", prompt="2+3=", completion="5"),

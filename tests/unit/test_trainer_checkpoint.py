@@ -15,7 +15,7 @@ from consumers.optim import lr_factor
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=1)
 

@@ -13,15 +13,15 @@ from consumers.parallel import Dist
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    from producers.tiny_model import build_tiny_model
+    from models.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3)
 
 
 def test_reference_model_kl(tiny_dir: Path, tmp_path: Path):
     from consumers.engine import TrainEngine
-    from consumers.toybatches import ToyBatchMaker
-    from producers.tiny_model import load_tokenizer
+    from helpers.toybatches import ToyBatchMaker
+    from models.tiny_model import load_tokenizer
 
     cfg = TrainerConfig(lr=1e-2, loss="dapo", loss_args={"beta": 0.1})
     eng = TrainEngine(cfg, model_dir=tiny_dir, run_dir=tmp_path, d=Dist(), max_seq_len=32)

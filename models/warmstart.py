@@ -3,7 +3,7 @@
 RL post-training starts from a model that already attends to its prompt. A freshly initialised tiny model does
 not: GRPO on it collapses to one answer for every prompt (measured: addmod10 stalls at mean reward 0.1, "4" for all
 100 prompts, at lr 3e-4 to 3e-3 over 800 steps). ``warm_start(model_dir, task, ...)`` runs plain cross-entropy
-steps on ``(prompt, answer + <eos>)`` pairs of a ``producers.tasks`` task, with transformers and AdamW, until the
+steps on ``(prompt, answer + <eos>)`` pairs of a ``models.tasks`` task, with transformers and AdamW, until the
 greedy accuracy on the training batches reaches ``target_accuracy`` (or ``max_steps``), then saves the weights
 back into ``model_dir`` (safetensors). Deterministic for a seed. The demo uses it and says so.
 """
@@ -21,8 +21,8 @@ def warm_start(model_dir: str | Path, task: str, *, target_accuracy: float = 0.3
     """Supervised steps until greedy accuracy >= ``target_accuracy``; returns ``{"steps", "accuracy"}``."""
     from transformers import AutoModelForCausalLM
 
-    from producers.tasks import get_task
-    from producers.tiny_model import load_tokenizer
+    from models.tasks import get_task
+    from models.tiny_model import load_tokenizer
 
     model_dir = Path(model_dir)
     tok = load_tokenizer(model_dir)

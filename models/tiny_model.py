@@ -135,7 +135,7 @@ def load_tokenizer(path: str | Path):
 
 
 def ensure_model(model_path: str, run_dir: str | Path, *, seed: int = 0, source: str = "", cache_dir: str = "") -> Path:
-    """``model_path`` if set, else the pretrained ``source`` (``producers/hf_models.py``, converted once into
+    """``model_path`` if set, else the pretrained ``source`` (``models/hf_models.py``, converted once into
     ``cache_dir``), else the tiny model in ``<run_dir>/model`` (built once; safe across processes).
 
     Concurrent callers each build into a private temporary directory and rename it into place; the loser of the
@@ -144,7 +144,7 @@ def ensure_model(model_path: str, run_dir: str | Path, *, seed: int = 0, source:
     if model_path:
         return Path(model_path)
     if source:
-        from producers.hf_models import ensure_source_model
+        from models.hf_models import ensure_source_model
 
         return ensure_source_model(source, cache_dir)
     import os

@@ -21,6 +21,10 @@ Everything is counted in distinct episode ids (delivery is at-least-once, so a r
   holding episodes it had trained, ``consumers/ledger.py``); ``refused_episodes``: distinct ids in them; and
   ``in_two_batches_refused``: of the ``in_two_batches`` ids, those whose other batches were all refused or never
   trained, i.e. trained at most once;
+* ``stale_batches``: distinct batch ids the trainer did not train because a token in them was more than
+  ``staleness.max_versions`` versions behind when their turn came (dead-lettered as ``stale``);
+  ``stale_batch_episodes``: distinct ids in them; ``stale_fraction``: episodes dropped as stale by the buffers
+  plus those, over ``produced`` (generation no step used because it was too old);
 * ``reconciles``: ``produced == batched + sum(dropped except duplicate, malformed) + pending`` with nothing lost,
   nothing both batched and dropped, and nothing decided that was never produced.
 """
@@ -34,8 +38,7 @@ from typing import Any
 
 import orjson
 
-from consumers.ledger import ALREADY_TRAINED
-from streamforge.config import RunConfig
+from consumers.ledger import ALREADY_TRAINED, STALE
 from topics import codec
 from topics.admin import group_offsets, read_topic
 from topics.errors import CodecError
@@ -68,6 +71,7 @@ def reconcile(
     malformed: int = 0,
     ledger: list[dict[str, Any]] | None = None,
     refused: Iterable[tuple[str, list[str]]] = (),
+    stale: Iterable[tuple[str, list[str]]] = (),
     uncommitted: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The audit as a pure function: ``episode_ids`` per record (None = undecodable), ``batches`` as
@@ -132,6 +136,11 @@ def reconcile(
                       if sum(1 for b in batches_of[e] if b in trained_batches and b not in refused_members) <= 1
                       and any(b in refused_members for b in batches_of[e])}
     decided_total = len(batched) + sum(len(v) for v in by_reason.values())
+    stale_members: dict[str, set[str]] = {}
+    for batch_id, ids in stale:
+        stale_members.setdefault(batch_id, set()).update(ids)
+    stale_ids = set().union(*stale_members.values()) if stale_members else set()
+    stale_total = len(by_reason.get("stale", set()) | stale_ids)
     return {
         "records": records,
         "produced": len(produced),
@@ -153,6 +162,9 @@ def reconcile(
         "refused_batches": len(refused_members),
         "refused_episodes": len(refused_ids),
         "in_two_batches_refused": len(in_two_refused),
+        "stale_batches": len(stale_members),
+        "stale_batch_episodes": len(stale_ids),
+        "stale_fraction": round(stale_total / len(produced), 4) if produced else 0.0,
         "reconciles": not lost and not both and not unknown and decided_total + len(pending) == len(produced),
         "samples": {
             "lost": sorted(lost)[:SAMPLE],
@@ -163,7 +175,13 @@ def reconcile(
     }
 
 
-async def run_audit(config: RunConfig) -> dict[str, Any]:
+def _batch_id_in(detail: str) -> str:
+    """The batch id a trainer's dead-letter detail starts with (``"batch <id>: ..."``), or ''."""
+    head, _, _ = detail.partition(":")
+    return head.removeprefix("batch ").strip() if head.startswith("batch ") else ""
+
+
+async def run_audit(config: Any) -> dict[str, Any]:
     """Read the run's topics and ledger and reconcile them (see the module docstring for every key)."""
     names, kafka = config.names, config.kafka
     episodes = await read_topic(kafka, names.episodes, expect=Episode)
@@ -177,14 +195,17 @@ async def run_audit(config: RunConfig) -> dict[str, Any]:
     drops = await read_topic(kafka, names.drops, expect=DropRecord)
     dead = await read_topic(kafka, names.dead_letter, expect=DeadLetter)
     malformed = sum(1 for r in dead if r.value is not None and r.value.source == names.episodes)
-    refused = []
+    by_id = {r.value.batch_id: r.value.episode_ids for r in batches if r.value is not None}
+    refused, stale = [], []
     for r in dead:
-        if r.value is not None and r.value.source == names.batches and r.value.reason == ALREADY_TRAINED:
-            try:
-                batch = codec.decode(r.value.value, expect=Batch)
-            except CodecError:
-                continue  # truncated by the dead-letter size cap: its detail still names it
-            refused.append((batch.batch_id, batch.episode_ids))
+        if r.value is None or r.value.source != names.batches or r.value.reason not in (ALREADY_TRAINED, STALE):
+            continue
+        try:
+            batch_id = codec.decode(r.value.value, expect=Batch).batch_id
+        except CodecError:
+            batch_id = _batch_id_in(r.value.detail)  # truncated by the dead-letter size cap: its detail names it
+        if batch_id in by_id:
+            (refused if r.value.reason == ALREADY_TRAINED else stale).append((batch_id, by_id[batch_id]))
     result = reconcile(
         (r.value.episode_id if r.value is not None else None for r in episodes),
         ((r.value.batch_id, r.value.episode_ids) for r in batches if r.value is not None),
@@ -192,6 +213,7 @@ async def run_audit(config: RunConfig) -> dict[str, Any]:
         malformed=malformed,
         ledger=read_ledger(config.run_dir / "trainer" / "ledger.jsonl"),
         refused=refused,
+        stale=stale,
         uncommitted=beyond - below,
     )
     result["undecodable_outputs"] = sum(1 for r in (*batches, *drops) if r.value is None)

@@ -1,6 +1,6 @@
 """A weights-only generator process: a vLLM engine kept on the latest policy by a ``WeightReceiver``.
 
-``python -m weightsync.follower [--config run.yaml] [--section.key=value ...]`` starts ``Engine(model.path)``
+``python tests/helpers/follower.py [--config run.yaml] [--section.key=value ...]`` starts ``Engine(model.path)``
 with ``vllm_args(weightsync)``, joins the run's membership, follows the policy store and, with
 ``--load`` (``STREAMFORGE_FOLLOWER_LOAD=1``), keeps a few sampling requests running so swaps happen under load.
 SIGTERM drains (says ``leave``); a second signal forces. Used by the weight-sync tests and benchmark as an
@@ -16,8 +16,8 @@ import socket
 import sys
 from typing import Any
 
+from runtime.lifecycle import Service, run_service
 from streamforge.config import RunConfig, load_config
-from streamforge.lifecycle import Service, run_service
 from weightsync import vllm_args
 from weightsync.receiver import WeightReceiver
 

@@ -1,7 +1,7 @@
 """A local, in-process source of toy-task training batches: sample from the policy itself with torch.
 
 Used by the learning test and for trying a loss without brokers or vLLM. ``ToyBatchMaker.make(model, version)``
-draws ``prompts`` prompts of a ``producers.tasks`` task, samples ``group_size`` responses of at most
+draws ``prompts`` prompts of a ``models.tasks`` task, samples ``group_size`` responses of at most
 ``max_tokens`` tokens each from ``model`` (temperature 1, stopping at ``<eos>``), scores them with the task's
 reward, and returns a ``Batch`` in the wire layout (``topics/schemas.py``) with GRPO advantages
 ``A = (r - mean_group(r)) / (std_group(r) + 1e-4)`` and the behaviour logprobs of the sampled tokens.
@@ -22,7 +22,7 @@ from topics.schemas import Batch
 class ToyBatchMaker:
     def __init__(self, task: str, tokenizer: Any, *, prompts: int = 8, group_size: int = 8, max_tokens: int = 3,
                  seed: int = 0, temperature: float = 1.0) -> None:
-        from producers.tasks import get_task
+        from models.tasks import get_task
 
         self.task = get_task(task)
         self.tok = tokenizer

@@ -1,0 +1,1 @@
+"""Code that exists only for the tests: a weights-only generator process, an in-process batch maker."""

@@ -1,0 +1,21 @@
+"""Losses for the tests, importable by trainer processes (``tests/`` on their ``PYTHONPATH``)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from consumers.losses import make_loss
+
+
+def slow_grpo(delay_s: float = 0.3, **hyperparams: Any):
+    """The built-in ``grpo`` loss, ``delay_s`` slower a step: a trainer slower than its generator."""
+    inner = make_loss("grpo", **hyperparams)
+
+    def loss_fn(logprobs, old_logprobs, advantages, mask, ref_logprobs=None, **extra):
+        time.sleep(delay_s)
+        return inner(logprobs, old_logprobs, advantages, mask, ref_logprobs, **extra)
+
+    if hasattr(inner, "aggregation"):
+        loss_fn.aggregation = inner.aggregation
+    return loss_fn
