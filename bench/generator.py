@@ -95,7 +95,7 @@ async def compare(model: str, args: argparse.Namespace, work: Path) -> tuple[lis
             f"--run.run_dir={work / 'run'}", "--run.prefix=bench", f"--model.path={model}",
             f"--generator.group_size={args.group_size}", f"--generator.max_tokens={args.max_tokens}",
             f"--generator.max_concurrent_prompts={args.prompts}", "--generator.rewards=[toy]",
-            "--generator.generator_id=bench",
+            "--generator.generator_id=bench", "--staleness.max_versions=-1",  # no trainer: no quota, no lag
         ], environ={})
         await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
         bare = BareVLLM(model, args)

@@ -24,7 +24,8 @@ class BufferConfig:
     reward_scale: float = 1.0
     reward_clip: float = 0.0  # 0 = no clipping
     filter_zero_variance: bool = True
-    max_policy_lag: int = 1  # drop episodes older than latest - max_policy_lag (derived: streamforge/staleness.py)
+    # the most versions an episode may lag the version that will train it (derived: streamforge/staleness.py)
+    max_policy_lag: int = 4
     max_response_tokens: int = 0  # 0 = no overlong filter
     filter_truncated: bool = False  # also drop responses whose finish_reason is "length" (as overlong)
     groups_per_batch: int = 4

@@ -49,6 +49,7 @@ or time out.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -69,7 +70,7 @@ from runtime.lifecycle import Service
 from topics.errors import BrokerError, CodecError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
-from topics.schemas import DropRecord, Episode
+from topics.schemas import DropRecord, Episode, TrainerProgress
 from topics.tracing import context_from_kafka, link_to
 from weightsync.fencing import FenceView
 
@@ -115,7 +116,10 @@ class BufferRole(Service):
         self.buffer_id = self.cfg.buffer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.state = BufferState(self.cfg, buffer_id=self.buffer_id)
         self.latest_version: int | None = None
-        self.trained_steps = 0  # step of the latest PolicyVersion: batches the trainer has trained
+        self.trained_steps = 0  # steps the trainer has trained (its progress, or the latest PolicyVersion's step)
+        self.published_step = 0  # the step of the latest PolicyVersion
+        self.progress: TrainerProgress | None = None  # the trainer's, from the KV store (after every step)
+        self._progress_seen: collections.deque[tuple[int, int]] = collections.deque(maxlen=20)  # (step, version)
         self._batch_hw: dict[int, int] = {}  # batches-topic high-water marks known from our acks
         self.counters: dict[str, int] = {"dead_lettered": 0, "pauses": 0, "commits": 0, "commit_failures": 0,
                                          "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0}
@@ -152,7 +156,7 @@ class BufferRole(Service):
         await self.fence.start()
         pv, _ = await self.store.latest()
         self.latest_version = pv.version if pv is not None else None
-        self.trained_steps = pv.step if pv is not None else 0
+        self.trained_steps = self.published_step = pv.step if pv is not None else 0
         if self.cfg.max_batches_ahead > 0:
             self._batch_hw = await highwaters(kafka, self.names.batches)
         self.consumer = Consumer(kafka, [self.names.episodes], group_id=self.names.buffers_group, expect=Episode,
@@ -177,7 +181,8 @@ class BufferRole(Service):
 
     def loops(self) -> dict[str, Any]:
         assert self.fence is not None
-        return {"consume": self._consume_loop(), "policy": self._policy_loop(), "fence": self._fence_loop()}
+        return {"consume": self._consume_loop(), "policy": self._policy_loop(), "progress": self._progress_loop(),
+                "fence": self._fence_loop()}
 
     async def drain(self) -> None:
         """Stop taking episodes, publish what can be published (partial batches too), commit."""
@@ -235,7 +240,8 @@ class BufferRole(Service):
         return poll_ms if left <= 0 else min(poll_ms, math.ceil(left * 1000) + 1)
 
     async def _policy_loop(self) -> None:
-        """Watches the NATS KV ``latest`` PolicyVersion; updates ``latest_version`` (used by the stale filter).
+        """Watches the NATS KV ``latest`` PolicyVersion; updates ``latest_version`` (used by the stale filter) and
+        the trainer's published step (``_trainer_moved``).
 
         Waits on the KV watch; unblocked by each write of a new version. Runs until cancelled.
         """
@@ -245,8 +251,32 @@ class BufferRole(Service):
                 self.latest_version = pv.version
                 if record_metric is not None:
                     record_metric("buffer/latest_version", pv.version, "max")
-            self.trained_steps = max(self.trained_steps, pv.step)
+            self.published_step = max(self.published_step, pv.step)
+            await self._trainer_moved(pv.step)
         raise RuntimeError("the policy-version watch ended")
+
+    async def _progress_loop(self) -> None:
+        """Watches the trainer's ``progress`` KV key (steps trained, after every step): the batches queued for the
+        trainer are those published beyond it. Waits on the KV watch; runs until cancelled."""
+        assert self.store is not None
+        async for progress in self.store.watch_progress(on_bad=self._dead_letter_value):
+            if self.progress is None or progress.step >= self.progress.step:
+                self.progress = progress
+                self._progress_seen.append((progress.step, progress.version))
+            await self._trainer_moved(progress.step)
+        raise RuntimeError("the trainer-progress watch ended")
+
+    async def _trainer_moved(self, step: int) -> None:
+        """The trainer has trained ``step`` steps. When that is news and batches were held back by
+        ``max_batches_ahead``, decide at once (under the loop's lock) instead of waiting for the consume loop's next
+        fetch to end: the trainer waits for that batch."""
+        moved = step > self.trained_steps
+        self.trained_steps = max(self.trained_steps, step)
+        if moved and self.cfg.max_batches_ahead > 0 and self.state.has_ready() and not self._draining:
+            async with self._lock:
+                if not self._draining:
+                    await self._decide(final=False)
+                    await self._settle(wait=False)
 
     async def _dead_letter_value(self, source: str, value: bytes, exc: CodecError) -> None:
         """A NATS value this buffer cannot read (the KV's latest version or fencing record): dead-lettered."""
@@ -281,17 +311,47 @@ class BufferRole(Service):
             ctx = rec.headers if "traceparent" in rec.headers else None
             self.state.add(rec.value, partition=rec.partition, offset=rec.offset, now=now, context=ctx)
 
+    def _future_versions(self, ahead: int) -> tuple[Any, int | None]:
+        """``(f, reference)`` for the state's per-batch staleness check (``buffer/state.py`` rule 7): the version the
+        trainer trains with now, and ``f(j)``, how many versions it will publish before the ``j``-th batch cut now
+        is trained: it trains the ``ahead + j`` batches queued before it, plus the steps it trained since its last
+        publication, at the rate of versions per step seen in its recent progress (at most one per
+        ``publish_every`` steps; with ``publish_busy: skip`` fewer, as rounds take their time), rounded up. An
+        estimate: the trainer enforces the bound itself and refuses a batch that turned out too stale. Without the
+        trainer's progress: one version per batch queued, and one owed when its published step lags its steps."""
+        p = self.progress
+        if p is None:
+            owed = int(self.trained_steps > self.published_step)
+            return (lambda j: ahead + j + owed), self.latest_version
+        every = max(1, p.publish_every)
+        rate = 1.0 / every
+        if len(self._progress_seen) >= 2:
+            (s0, v0), (s1, v1) = self._progress_seen[0], self._progress_seen[-1]
+            if s1 > s0:
+                rate = min(rate, max(0.0, (v1 - v0) / (s1 - s0)))
+        unpublished = max(0, p.step - p.published_step)
+        reference = max(p.version, self.latest_version if self.latest_version is not None else -1)
+
+        def f(j: int) -> int:
+            steps = unpublished + ahead + j
+            return min(steps // every, math.ceil(steps * rate - 1e-9))  # the most possible, or the rate seen
+
+        return f, reference
+
     def batches_ahead(self) -> int:
         """Batches published (acknowledged or in flight) beyond the trainer's latest published step."""
         inflight = sum(1 for d, _ in self._inflight if d.kind == "batch")
         return sum(self._batch_hw.values()) + inflight - self.trained_steps
 
     async def _decide(self, *, final: bool) -> None:
-        room = None
+        room, future, reference = None, None, None
         if self.cfg.max_batches_ahead > 0:
-            room = max(0, self.cfg.max_batches_ahead - self.batches_ahead())
+            ahead = max(0, self.batches_ahead())
+            room = max(0, self.cfg.max_batches_ahead - ahead)
+            future, reference = self._future_versions(ahead)
         decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version,
-                                              final=final, max_batches=room,
+                                              final=final, max_batches=room, future_versions=future,
+                                              reference_version=reference,
                                               fenced=self.fence.fenced if self.fence is not None else None)
         if decisions:
             await self._publish(decisions)

@@ -31,7 +31,11 @@ Rules:
    groups wait (held, so the cap of rule 9 eventually stops consumption) and are checked again whenever the
    latest policy version or the fencing record changes: episodes that became stale (or fenced) meanwhile are
    dropped with that reason, and the rest of their group re-scored (zero-variance remainder dropped, advantages
-   recomputed).
+   recomputed). With ``future_versions`` (``f(j)``: how many versions the trainer may still publish before the
+   ``j``-th batch cut now is trained, ``buffer/service.py`` computes it from the trainer's progress) and the
+   trainer's current version as ``reference_version``, each batch's groups are checked just before it is cut with
+   the lag ``max_policy_lag - f(j)`` (at least 0) against that reference: no episode in it is more than
+   ``max_policy_lag`` versions behind the version that trains it.
 8. Offsets: every record's offset is held from ``add`` until its decision is acknowledged (skipped records are
    released at once). ``committable()`` gives, per partition, the lowest held offset, or one past the highest
    offset seen when nothing is held: the next offset a restarted consumer must read so nothing is lost.
@@ -51,7 +55,7 @@ Held episodes are not in it: they are beyond the committed offset and come back 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -227,12 +231,15 @@ class BufferState:
 
     # -- decisions ----------------------------------------------------------------------------
     def take_decisions(self, *, now: float, latest_version: int | None, final: bool = False,
-                       max_batches: int | None = None, fenced: Mapping[str, int] | None = None) -> list[Decision]:
+                       max_batches: int | None = None, fenced: Mapping[str, int] | None = None,
+                       future_versions: Callable[[int], int] | None = None,
+                       reference_version: int | None = None) -> list[Decision]:
         """Expire, score and batch (rules 4-7); every returned decision is IN FLIGHT until ``ack``.
 
         ``max_batches`` caps the batches cut now (the trainer is behind); groups then wait, scored, and are
-        checked for staleness again whenever the latest version moves. ``fenced`` maps fenced generator ids to
-        the last version they acknowledged (``policies.is_fenced``).
+        checked for staleness again whenever the latest version moves. ``future_versions`` and
+        ``reference_version`` (default ``latest_version``): each cut batch is checked against the lag it will have
+        when trained (rule 7). ``fenced`` maps fenced generator ids to the last version they acknowledged (``policies.is_fenced``).
         """
         self._fenced = dict(fenced or {})
         self._expire(now)
@@ -244,28 +251,39 @@ class BufferState:
         if (latest_version, self._fenced) != self._checked:
             self._checked = (latest_version, dict(self._fenced))
             for part in self.parts.values():
-                self._recheck_stale(part, latest_version)
+                self._recheck_stale(part, latest_version, self.cfg.max_policy_lag)
         budget = max_batches
+        reference = latest_version if reference_version is None else reference_version
+        cut = 0
         for partition, part in sorted(self.parts.items(), key=lambda kv: kv[1].ready_since):
-            if not part.ready or budget == 0:
-                continue
-            flush = final or now - part.ready_since >= self.cfg.max_batch_wait_s
-            batches, remainder = plan_batches(
-                part.ready, groups_per_batch=self.cfg.groups_per_batch, token_budget=self.cfg.token_budget,
-                budget_count=self.cfg.budget_count, final=flush,
-            )
-            if budget is not None and len(batches) > budget:
-                remainder = [g for b in batches[budget:] for g in b] + remainder
-                batches = batches[:budget]
-            for groups in batches:
-                self._outbox.append(self._batch(partition, part, groups))
-            if batches:
+            while part.ready and budget != 0:
+                if future_versions is not None:  # check this batch with the lag it will have when trained
+                    lag = max(0, self.cfg.max_policy_lag - future_versions(cut))
+                    self._recheck_stale(part, reference, lag)
+                    if not part.ready:
+                        break
+                flush = final or now - part.ready_since >= self.cfg.max_batch_wait_s
+                batches, remainder = plan_batches(
+                    part.ready, groups_per_batch=self.cfg.groups_per_batch, token_budget=self.cfg.token_budget,
+                    budget_count=self.cfg.budget_count, final=flush,
+                )
+                if not batches:
+                    break
+                if budget is not None or future_versions is not None:  # one at a time: each has its own lag
+                    remainder = [g for b in batches[1:] for g in b] + remainder
+                    batches = batches[:1]
+                    budget = None if budget is None else budget - 1
+                    cut += 1
+                for groups in batches:
+                    self._outbox.append(self._batch(partition, part, groups))
                 part.ready = remainder
                 part.ready_since = now
-                if budget is not None:
-                    budget -= len(batches)
         out, self._outbox = self._outbox, []
         return out
+
+    def has_ready(self) -> bool:
+        """Whether scored groups wait for a batch (rule 6), e.g. held back by the trainer being behind."""
+        return any(part.ready for part in self.parts.values())
 
     def ack(self, decision: Decision) -> None:
         """The decision's publish was acknowledged: release its offsets, remember its ids (DECIDED)."""
@@ -370,23 +388,23 @@ class BufferState:
         part.ready.append(verdict.kept)
         part.ready_held[group.group_id] = [group.members[e] for e in verdict.kept.episode_ids]
 
-    def _recheck_stale(self, part: _Partition, latest_version: int | None) -> None:
-        """Groups waiting for a batch are re-scored when episodes in them became stale or fenced (rule 7)."""
+    def _recheck_stale(self, part: _Partition, latest_version: int | None, lag: int) -> None:
+        """Groups waiting for a batch are re-scored when episodes in them became stale (more than ``lag``
+        versions behind) or fenced (rule 7)."""
         c = self.cfg
         keep: list[ScoredGroup] = []
         for g in part.ready:
-            if not any(is_stale(e, latest_version, c.max_policy_lag) or is_fenced(e, self._fenced)
-                       for e in g.episodes):
+            if not any(is_stale(e, latest_version, lag) or is_fenced(e, self._fenced) for e in g.episodes):
                 keep.append(g)
                 continue
             members = {h.episode.episode_id: h for h in part.ready_held.pop(g.group_id)}
             verdict = score_group(
-                g.group_id, g.episodes, latest_version=latest_version, max_policy_lag=c.max_policy_lag,
+                g.group_id, g.episodes, latest_version=latest_version, max_policy_lag=lag,
                 filter_zero_variance=c.filter_zero_variance, advantage=c.advantage, advantage_eps=c.advantage_eps,
                 reward_scale=c.reward_scale, reward_clip=c.reward_clip, partition=g.partition, fenced=self._fenced,
             )
             for reason, ids in verdict.dropped.items():
-                detail = f"latest version {latest_version} (while waiting for the trainer)"
+                detail = f"latest version {latest_version}, lag {lag} (while waiting for the trainer)"
                 self._outbox.append(self._drop([members[e] for e in ids], reason, g.group_id, detail))
             if verdict.kept is not None:
                 keep.append(verdict.kept)

@@ -42,7 +42,7 @@ from runtime.context import RoleContext
 from runtime.lifecycle import Service
 from topics.errors import ConfigError
 from topics.kafka import DeadLetters, Producer, Received
-from topics.schemas import Batch, SFTExample
+from topics.schemas import Batch, SFTExample, TrainerProgress
 from weightsync.config import WeightSyncConfig
 
 log = logging.getLogger("streamforge.trainer")
@@ -91,6 +91,8 @@ class TrainerRole(Service):
         self.trained_episodes = TrainedEpisodes(self.cfg.dedup_window)  # refuses a zombie buffer's batch
         self.refused = 0
         self.stale_batches = 0  # batches not trained: a token older than max_staleness when their turn came
+        self._progress_due: TrainerProgress | None = None
+        self._progress_task: asyncio.Task | None = None
         self._since_publish: list[str] = []
         self._rewards: collections.deque[float] = collections.deque(maxlen=self.cfg.reward_window)
         self._checkpointed_step = -1
@@ -175,6 +177,7 @@ class TrainerRole(Service):
             if self.publisher.latest_version > self.version:
                 log.info("policy versions continue after the store's %d", self.publisher.latest_version)
                 self.version = self.publisher.latest_version
+            self._report_progress()  # a restarted trainer says where it resumes
         else:
             log.warning("nats.url is empty: the trainer publishes no policy versions")
 
@@ -195,6 +198,8 @@ class TrainerRole(Service):
     async def _close_round(self) -> None:
         if self._round is not None and not self._round.done():
             await asyncio.wait_for(asyncio.shield(self._round), self.weightsync.ack_deadline_s + 5)
+        if self._progress_task is not None and not self._progress_task.done():
+            await asyncio.wait_for(self._progress_task, self.weightsync.timeout_s + 1)
 
     async def _close_clients(self) -> None:
         for client in (self.publisher, self.source, self.producer):
@@ -373,8 +378,29 @@ class TrainerRole(Service):
         _record(row, self.step)
         if self._publish_due():
             await self._publish()
+        self._report_progress()
         if self.step % self.cfg.checkpoint_every == 0:
             await self._checkpoint()
+
+    def _report_progress(self) -> None:
+        """Write ``TrainerProgress`` (steps trained, the version trained with) to the KV store, in the background:
+        buffers count the batches queued for the trainer from it, generators their quota. Writes coalesce (the
+        newest wins); a failed one is logged and the next step's replaces it."""
+        if self.publisher is None:
+            return
+        self._progress_due = TrainerProgress(step=self.step, version=self.version,
+                                             published_step=self._published_step,
+                                             publish_every=self.cfg.publish_every, trainer_id="trainer")
+        if self._progress_task is None or self._progress_task.done():
+            self._progress_task = asyncio.ensure_future(self._write_progress())
+
+    async def _write_progress(self) -> None:
+        while self._progress_due is not None:
+            progress, self._progress_due = self._progress_due, None
+            try:
+                await asyncio.wait_for(self.publisher.store.put_progress(progress), self.weightsync.timeout_s)
+            except Exception as exc:  # noqa: BLE001 - progress is advisory: the next step writes it again
+                log.warning("could not write the trainer's progress (step %d): %s", progress.step, exc)
 
     def _buffer_drops(self, batch: Batch) -> dict[str, float]:
         """``buffer/dropped/<reason>``: the drop counters each buffer stamped on its latest batch, summed over buffers."""

@@ -32,9 +32,12 @@ class GeneratorConfig:
     seed: int = 0  # vLLM sampling seed
     # vLLM: processed_logprobs (after temperature etc.) | raw_logprobs
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
-    # >0: this generator's share of the groups the trainer trains per version; it runs at most max_policy_lag + 1
-    # versions of them ahead of the trainer (derived from staleness.max_versions: streamforge/staleness.py)
-    groups_per_version: int = 0
+    # >0: this generator's share of the groups the trainer trains per step (its quota, producers/flow.py); derived
+    # from buffer.groups_per_batch / up.generators (streamforge/staleness.py)
+    groups_per_step: float = 0.0
+    # the quota holds at most this many trainer steps of groups beyond the trainer's latest published step
+    # (derived from staleness.max_versions: streamforge/staleness.py)
+    quota_window_steps: int = 3
     quota_counts_zero_variance: bool = True  # False: a group whose rewards are all equal does not use the quota
     # liveness guard of the quota (producers/flow.py); 0 = three times the recent interval between versions, >= 2 s
     backpressure_stall_s: float = 0.0
@@ -61,8 +64,10 @@ class GeneratorConfig:
             raise ConfigError("generator.reward_timeout_s", "must be positive")
         if self.max_concurrent_prompts < 1:
             raise ConfigError("generator.max_concurrent_prompts", "must be at least 1")
-        if self.groups_per_version < 0:
-            raise ConfigError("generator.groups_per_version", "must be >= 0")
+        if self.groups_per_step < 0:
+            raise ConfigError("generator.groups_per_step", "must be >= 0 (0 = no quota)")
+        if self.quota_window_steps < 1:
+            raise ConfigError("generator.quota_window_steps", "must be at least 1")
         if self.metrics_every_s <= 0:
             raise ConfigError("generator.metrics_every_s", "must be positive")
         if self.backpressure_stall_s < 0:

@@ -9,27 +9,33 @@ buffer deduplicates what was produced twice).
 
 ``Backpressure``: the generator takes a new prompt only while
 
-* ``latest - engine_version <= max_policy_lag``: its weights are at most ``max_policy_lag`` versions older than
-  the newest published PolicyVersion (episodes from older weights would be dropped as stale by the buffer). It
-  resumes when the weight receiver loads a newer version.
-* and, when ``groups_per_version > 0`` (this generator's share of the groups the trainer consumes per version),
-  ``taken < (latest - first + max_policy_lag + 1) * groups_per_version + granted``, where ``taken`` counts every
-  prompt this generator took and ``first`` is the first version it saw published: it runs at most
-  ``max_policy_lag`` versions *ahead* of the trainer (AReaL-style staleness control) and resumes when the trainer
-  publishes the next version. Liveness guard: if the buffer drops groups (zero variance, stale), the trainer may
-  need more groups than the quota lets through and would wait forever; so when the quota blocked intake for
-  ``stall_s()`` with nothing in flight and no new version, ``grant()`` adds one more version's worth. ``stall_s()``
-  is the configured ``backpressure_stall_s``, or, when that is 0, three times the mean interval between the last
-  published versions (at least 2 s; 10 s before two versions were seen): a guard that scales with the step time.
+* ``reference - engine_version <= max_policy_lag``: its weights are at most ``max_policy_lag`` versions older than
+  the trainer's (the newest published PolicyVersion, or the trainer's own version from its progress when a
+  publication is still in flight): what older weights sample would be too stale to train. It resumes when the
+  weight receiver loads a newer version. Before any version is known this never throttles.
+* and, when ``groups_per_step > 0`` (this generator's share of the groups the trainer trains per step),
+  ``taken < floor((latest_step - start_step + window_steps) * groups_per_step) + granted``: ``taken`` counts the
+  prompts this generator took, ``latest_step`` is the trainer's step (its progress after every step, or the step
+  of the newest PolicyVersion) and ``start_step``
+  the one of the version in the store when the generator started (0 in a new run). So it holds at most
+  ``window_steps`` trainer steps of groups beyond what the trainer has trained and published (AReaL's bounded
+  off-policyness, counted in steps so a version that covers several steps is counted right), also before the
+  first version: a generator never floods a run whose trainer is still starting.
 * A group the buffer will drop for zero variance (every reward equal) trains nothing; with
-  ``count_zero_variance=False`` the generator gives its quota back (``refund()``) once it has scored it, so the
-  quota counts the groups that can train.
+  ``count_zero_variance=False`` the generator gives its quota back (``scored()``) once it has scored it, and a group
+  the buffer dropped (stale, fenced, incomplete: ``producers/refunds.py``) gives it back when the drop is read
+  (``refund()``), so the quota counts the groups that can train.
 
-Before any version is published (``latest`` is None) nothing is throttled.
+Liveness guard: if the buffer drops groups for another reason (stale, overlong, a restart's duplicates), the
+trainer may need more groups than the quota lets through and would wait forever; so when the quota blocked intake
+for ``stall_s()`` with nothing in flight and no new version, ``grant()`` adds one more step's worth. ``stall_s()``
+is the configured ``backpressure_stall_s``, or, when that is 0, three times the mean interval between the last
+published versions (at least 2 s; 30 s before two versions were seen, while the trainer may still be loading).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -112,23 +118,37 @@ class Backpressure:
     """See the module docstring. ``open`` says whether the generator may take another prompt now."""
 
     max_policy_lag: int
-    groups_per_version: int = 0
+    groups_per_step: float = 0.0  # 0 = no quota
+    window_steps: int = 2
     stall_s_config: float = 0.0  # 0 = adaptive (module docstring)
     count_zero_variance: bool = True
+    start_step: int = 0  # the trainer step of the version in the store when this generator started
     latest: int | None = None  # newest published version, None before the first
-    first: int | None = None  # first version seen published
+    latest_step: int = 0  # its trainer step
+    trainer_version: int = -1  # the version the trainer trains with (its progress), -1 before any
     taken: int = 0  # prompts taken by this generator since it started (less the refunds)
     granted: int = 0  # extra prompts granted by the liveness guard
     refunded: int = 0  # zero-variance groups given back
     _seen_at: deque[float] = field(default_factory=lambda: deque(maxlen=6))  # when the last versions arrived
 
-    def published(self, version: int, now: float | None = None) -> None:
-        if self.first is None:
-            self.first = version
+    def started_at(self, step: int) -> None:
+        """The generator starts while the store holds a version of trainer step ``step`` (a restart, a late join)."""
+        self.start_step = self.latest_step = max(0, step)
+
+    def published(self, version: int, step: int | None = None, now: float | None = None) -> None:
         if self.latest is None or version > self.latest:
             self.latest = version
             if now is not None:
                 self._seen_at.append(now)
+        if step is not None:
+            self.latest_step = max(self.latest_step, step)
+
+    def progressed(self, step: int, version: int | None = None) -> None:
+        """The trainer has trained ``step`` steps and trains with ``version`` now (its progress, after every
+        step; the version counts a publication still in flight)."""
+        self.latest_step = max(self.latest_step, step)
+        if version is not None:
+            self.trainer_version = max(self.trainer_version, version)
 
     def took(self, n: int = 1) -> None:
         self.taken += n
@@ -136,8 +156,19 @@ class Backpressure:
     def scored(self, rewards: list[float]) -> None:
         """A group of this generator was scored: give its quota back if it cannot train (zero variance)."""
         if not self.count_zero_variance and (len(rewards) < 2 or max(rewards) - min(rewards) <= 1e-9):
-            self.taken -= 1
-            self.refunded += 1
+            self.refund()
+
+    def refund(self) -> None:
+        """A group of this generator will train nothing (zero variance, or dropped by the buffer): its quota back."""
+        self.taken -= 1
+        self.refunded += 1
+
+    def quota(self) -> int | None:
+        """Prompts this generator may have taken by now (None: unlimited)."""
+        if self.groups_per_step <= 0:
+            return None
+        steps = self.latest_step - self.start_step + self.window_steps
+        return math.floor(steps * self.groups_per_step + 1e-9) + self.granted
 
     def stall_s(self) -> float:
         """How long the quota may block intake, with nothing in flight, before ``grant()`` (module docstring)."""
@@ -145,17 +176,19 @@ class Backpressure:
             return self.stall_s_config
         seen = list(self._seen_at)
         if len(seen) < 2:
-            return 10.0
+            return 30.0
         return max(2.0, 3.0 * (seen[-1] - seen[0]) / (len(seen) - 1))
 
-    def quota(self) -> int | None:
-        """Prompts this generator may have taken by now (None: unlimited)."""
-        if self.groups_per_version <= 0 or self.latest is None or self.first is None:
+    def reference(self) -> int | None:
+        """The version the weights are compared with: the trainer's own when its progress says it is newer than
+        the latest published (a publication in flight), else the latest published; None before any."""
+        if self.latest is None and self.trainer_version < 0:
             return None
-        return (self.latest - self.first + self.max_policy_lag + 1) * self.groups_per_version + self.granted
+        return max(self.latest if self.latest is not None else -1, self.trainer_version)
 
     def behind(self, engine_version: int) -> bool:
-        return self.latest is not None and self.latest - engine_version > self.max_policy_lag
+        ref = self.reference()
+        return ref is not None and ref - engine_version > self.max_policy_lag
 
     def ahead(self) -> bool:
         quota = self.quota()
@@ -165,12 +198,14 @@ class Backpressure:
         return not self.behind(engine_version) and not self.ahead()
 
     def grant(self) -> None:
-        """Liveness guard: allow one more version's worth of prompts (see the module docstring)."""
-        self.granted += self.groups_per_version
+        """Liveness guard: allow one more trainer step's worth of prompts (see the module docstring)."""
+        self.granted += max(1, math.ceil(self.groups_per_step))
 
     def reason(self, engine_version: int) -> str:
         if self.behind(engine_version):
-            return f"weights at version {engine_version}, latest {self.latest} (lag > {self.max_policy_lag})"
+            return (f"weights at version {engine_version}, the trainer's {self.reference()} "
+                    f"(lag > {self.max_policy_lag})")
         if self.ahead():
-            return f"{self.taken} prompts taken, quota {self.quota()} at version {self.latest} (ahead of the trainer)"
+            return (f"{self.taken} prompts taken, quota {self.quota()} at trainer step {self.latest_step} "
+                    f"(ahead of the trainer)")
         return ""

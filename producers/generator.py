@@ -10,18 +10,20 @@
 * the per-prompt pipeline (``producers/pipeline.py``): ``group_size`` samples, rewards (``producers.rewards``),
   Episodes to the ``episodes`` topic keyed by ``group_id``, a failed reward's Episode dead-lettered;
 * backpressure (``producers.flow.Backpressure``): no new prompt while its weights are more than
-  ``max_policy_lag`` versions behind the latest PolicyVersion in the NATS KV store, nor beyond its
-  ``groups_per_version`` quota; it resumes when a new version is loaded or published;
+  ``max_policy_lag`` versions behind the latest PolicyVersion in the NATS KV store, nor beyond its quota of
+  ``groups_per_step`` groups per trainer step (``quota_window_steps`` steps ahead); it resumes when a new version
+  is loaded or published;
 * weight sync: ``weightsync.receiver.WeightReceiver`` loads new versions into the engine (``Engine.swap``).
 
 Metrics (``runtime.metrics.record_metric``, flushed every ``generator.metrics_every_s`` into
 ``<run_dir>/metrics-<generator id>.jsonl`` with the ``jsonl`` backend): ``generator/tokens_per_s``,
 ``generator/episodes_per_s``, ``generator/prompts``, ``generator/episodes``, ``generator/policy_version``,
-``generator/swaps``, ``generator/in_flight``, ``generator/queue_wait_s``, and per group ``generator/reward_mean``,
+``generator/swaps``, ``generator/in_flight``, ``generator/quota_refunds``, ``generator/queue_wait_s``, and per
+group ``generator/reward_mean``,
 ``generator/generate_s`` and ``generator/response_tokens``.
 
-Supervised loops (``Service.serve``): ``intake`` (consumes prompts), ``policy`` (watches the store), ``metrics``
-and ``weightsync`` (the receiver). A prompt task that fails unexpectedly (engine dead, broker error) makes ``intake``
+Supervised loops (``Service.serve``): ``intake`` (consumes prompts), ``policy`` and ``progress`` (watch the
+store's latest version and the trainer's steps), ``metrics`` and ``weightsync`` (the receiver). A prompt task that fails unexpectedly (engine dead, broker error) makes ``intake``
 raise, which stops the role with a clear message. ``drain()`` stops intake, waits for the prompts in flight and
 commits them.
 """
@@ -42,6 +44,7 @@ from producers.flow import Backpressure, OffsetTracker
 from producers.intake import Intake, Rebalance
 from producers.pipeline import PromptPipeline
 from producers.prompts import PromptChecker
+from producers.refunds import DropRefunds
 from producers.rewards import RewardSet
 from runtime.context import RoleContext
 from runtime.lifecycle import Service
@@ -79,7 +82,7 @@ class GeneratorRole(Service):
         self._own_engine = engine is None
         self.sampling = Sampling(max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                                  top_k=cfg.top_k)
-        self.backpressure = Backpressure(cfg.max_policy_lag, cfg.groups_per_version,
+        self.backpressure = Backpressure(cfg.max_policy_lag, cfg.groups_per_step, cfg.quota_window_steps,
                                          stall_s_config=cfg.backpressure_stall_s,
                                          count_zero_variance=cfg.quota_counts_zero_variance)
         self.offsets = OffsetTracker()  # the intake's: which prompt offsets may be committed
@@ -90,6 +93,7 @@ class GeneratorRole(Service):
         self.nc: Any = None
         self.store: PolicyStore | None = None
         self.receiver: Any = None  # weightsync.receiver.WeightReceiver when weightsync is configured
+        self.refunds: DropRefunds | None = None  # with a quota: groups the buffer dropped give it back
         self.tokenizer: Any = None
         self.stats = {"prompts": 0, "episodes": 0, "dead_lettered": 0, "tokens": 0, "commits": 0}
         self._last_report = (dict(self.stats), time.perf_counter())  # for the rates of the next metrics row
@@ -134,6 +138,11 @@ class GeneratorRole(Service):
         self.store = PolicyStore(self.nc, self.names, history=ctx.nats.kv_history,
                                  timeout_s=ctx.nats.request_timeout_s)
         await self.store.start()
+        current, _ = await self.store.latest()
+        progress = await self.store.progress()
+        steps = [x.step for x in (current, progress) if x is not None]
+        if steps:  # a restart or a late join: the quota counts from the trainer's step now
+            self.backpressure.started_at(max(steps))
         if self.weightsync is not None:
             from weightsync.receiver import WeightReceiver
 
@@ -142,12 +151,17 @@ class GeneratorRole(Service):
             await self.receiver.start()
         else:
             log.warning("no weightsync section: generator %s keeps its initial weights", self.generator_id)
+        if cfg.groups_per_step > 0:
+            self.refunds = DropRefunds(ctx.kafka, self.names.drops, refund=self.backpressure.refund,
+                                       client_id=f"generator-{self.generator_id}-drops")
+            await self.refunds.start()
         checker = PromptChecker(self.tokenizer, max_model_len=getattr(engine, "max_model_len", ctx.model.max_seq_len),
                                 max_tokens=cfg.max_tokens,
                                 vocab_size=lambda: engine.llm.model_config.get_vocab_size())
         pipeline = PromptPipeline(engine=engine, rewards=self.rewards, producer=self.producer, dead=self.dead,
                                   names=self.names, generator_id=self.generator_id, sampling=self.sampling,
-                                  group_size=cfg.group_size, stats=self.stats, on_scored=self.backpressure.scored)
+                                  group_size=cfg.group_size, stats=self.stats, on_scored=self.backpressure.scored,
+                                  on_produced=self.refunds.produced if self.refunds is not None else None)
         self.intake = Intake(cfg, backpressure=self.backpressure, checker=checker, run_prompt=pipeline.run,
                              dead=self.dead, engine_version=lambda: engine.version, stats=self.stats,
                              offsets=self.offsets, local_source=self.local_source)
@@ -162,7 +176,8 @@ class GeneratorRole(Service):
     async def _stop(self) -> None:
         if self.intake is not None:
             await self.intake.cancel_tasks()
-        for closer in (self._close_consumer, self._close_receiver, self._close_producer, self._close_nats):
+        for closer in (self._close_consumer, self._close_refunds, self._close_receiver, self._close_producer,
+                       self._close_nats):
             t0 = time.monotonic()
             try:
                 await closer()
@@ -180,6 +195,10 @@ class GeneratorRole(Service):
         if self.consumer is not None:
             await self.consumer.stop()
 
+    async def _close_refunds(self) -> None:
+        if self.refunds is not None:
+            await self.refunds.stop()
+
     async def _close_receiver(self) -> None:
         if self.receiver is not None:
             await self.receiver.stop()
@@ -194,9 +213,12 @@ class GeneratorRole(Service):
 
     def loops(self) -> dict[str, Any]:
         assert self.intake is not None
-        loops = {"intake": self.intake.loop(), "policy": self._policy(), "metrics": self._metrics()}
+        loops = {"intake": self.intake.loop(), "policy": self._policy(), "progress": self._progress(),
+                 "metrics": self._metrics()}
         if self.receiver is not None:
             loops["weightsync"] = self.receiver.loop()
+        if self.refunds is not None:
+            loops["refunds"] = self.refunds.loop()
         return loops
 
     async def drain(self) -> None:
@@ -214,8 +236,16 @@ class GeneratorRole(Service):
         """Consumes ``PolicyStore.watch()``; records the latest version for backpressure and wakes intake."""
         assert self.store is not None and self.intake is not None
         async for pv in self.store.watch(on_bad=self._dead_letter_value):
-            self.intake.published(pv.version)
+            self.intake.published(pv.version, pv.step)
         raise StreamforgeError("the policy store watch ended", retriable=True)
+
+    async def _progress(self) -> None:
+        """Consumes ``PolicyStore.watch_progress()`` (the trainer's steps, after every step): the quota follows
+        what the trainer has trained, not only what it has published."""
+        assert self.store is not None and self.intake is not None
+        async for progress in self.store.watch_progress(on_bad=self._dead_letter_value):
+            self.intake.progressed(progress.step, progress.version)
+        raise StreamforgeError("the trainer-progress watch ended", retriable=True)
 
     async def _metrics(self) -> None:
         """Every ``metrics_every_s``: rates since the last flush and the engine's state, then flush. Never ends."""

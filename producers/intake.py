@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -82,9 +83,14 @@ class Intake:
         self._dead_acks: list[asyncio.Future] = []  # dead letters sent, not yet awaited (before any commit)
 
     # -- what the role tells it ------------------------------------------------------------------
-    def published(self, version: int) -> None:
-        """A new PolicyVersion was published: backpressure may open."""
-        self.backpressure.published(version, time.monotonic())
+    def published(self, version: int, step: int | None = None) -> None:
+        """A new PolicyVersion (of trainer step ``step``) was published: backpressure may open."""
+        self.backpressure.published(version, step, time.monotonic())
+        self._wake.set()
+
+    def progressed(self, step: int, version: int | None = None) -> None:
+        """The trainer has trained ``step`` steps, with ``version``: the quota may open."""
+        self.backpressure.progressed(step, version)
         self._wake.set()
 
     def close(self) -> None:
@@ -126,11 +132,11 @@ class Intake:
             if self.failure is not None:
                 raise self.failure
             n = self._may_take()
-            if n:
+            if n or self._closed:
                 return n
             self._wake.clear()
             bp = self.backpressure
-            if self._closed or bp.open(self.engine_version()):
+            if bp.open(self.engine_version()):
                 await self._wake.wait()  # only a free slot (or stopping) can change anything
                 continue
             if bp.ahead() and not self.tasks and not bp.behind(self.engine_version()):
@@ -139,14 +145,15 @@ class Intake:
                 if now - stalled_since >= bp.stall_s():
                     log.warning("backpressure: no new version for %.0f s with nothing in flight; granting %d "
                                 "more prompts (is the buffer dropping whole groups?)",
-                                now - stalled_since, bp.groups_per_version)
+                                now - stalled_since, max(1, math.ceil(bp.groups_per_step)))
                     bp.grant()
                     stalled_since = None
                     continue
             else:
                 stalled_since = None
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.cfg.poll_timeout_ms / 1000)
+            try:  # asyncio.timeout, not wait_for: wait_for can swallow a cancellation that races the event
+                async with asyncio.timeout(self.cfg.poll_timeout_ms / 1000):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 
@@ -154,7 +161,7 @@ class Intake:
         """Consumes prompts (the topic, or the local source) while a slot is free and backpressure is open.
 
         Waits on ``_wake`` (a prompt finished, a version arrived) when full or throttled, and on the broker for
-        new prompts otherwise. Never returns while running; raises if a prompt task failed.
+        new prompts otherwise. Returns only once closed (the role drains); raises if a prompt task failed.
         """
         if self.consumer is None:
             await self._loop_local()
@@ -169,6 +176,8 @@ class Intake:
                     if not self._closed and len(self.tasks) < self.cfg.max_concurrent_prompts:
                         log.info("backpressure: %s", self.backpressure.reason(self.engine_version()))
                 n = await self._wait_for_slot()
+                if self._closed:
+                    return
             if paused:
                 self.consumer.resume()
                 paused = False
@@ -195,11 +204,14 @@ class Intake:
         src = self.local_source or FeederConfig()
         for prompt in open_source(src.source, seed=src.seed, num_prompts=src.num_prompts):
             await self._wait_for_slot()
+            if self._closed:
+                return
             self._spawn(prompt, self.checker.tokens(prompt), None, None)
-        while True:  # the source is exhausted: the role idles until stopped
+        while not self._closed:  # the source is exhausted: the role idles until stopped
             await self._wait_for_slot()
             self._wake.clear()
-            await self._wake.wait()
+            if not self._closed:
+                await self._wake.wait()
 
     async def _take(self, rec: Received) -> None:
         """Spawn the prompt's task, or dead-letter the record: undecodable, or a prompt no engine can take."""

@@ -51,11 +51,13 @@ def build_episodes(prompt: Prompt, prompt_tokens: list[int], completions: list[C
 
 class PromptPipeline:
     """Generate, score and produce one prompt's group. ``stats`` is the role's counters dict (updated here);
-    ``on_scored(rewards)`` hears each group's rewards (the quota's refund of zero-variance groups)."""
+    ``on_scored(rewards)`` hears each group's rewards (the quota's refund of zero-variance groups),
+    ``on_produced(group_id)`` each group on the broker (the refunds of groups the buffer drops)."""
 
     def __init__(self, *, engine: Engine, rewards: RewardSet, producer: Producer, dead: DeadLetters, names: Names,
                  generator_id: str, sampling: Sampling, group_size: int, stats: dict[str, int],
-                 on_scored: Callable[[list[float]], None] | None = None) -> None:
+                 on_scored: Callable[[list[float]], None] | None = None,
+                 on_produced: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self.rewards = rewards
         self.producer = producer
@@ -66,6 +68,7 @@ class PromptPipeline:
         self.group_size = group_size
         self.stats = stats
         self.on_scored = on_scored
+        self.on_produced = on_produced
 
     async def run(self, prompt: Prompt, tokens: list[int], ctx: Any) -> None:
         """Generate from the prompt's ``tokens``, score and produce one group; returns once every Episode of it is
@@ -92,6 +95,8 @@ class PromptPipeline:
                     acks.append(await self.producer.enqueue(self.names.episodes, ep, key=ep.group_id))
             if acks:
                 await asyncio.gather(*acks)  # every Episode acknowledged by the broker
+                if self.on_produced is not None:
+                    self.on_produced(prompt.prompt_id)
             self.stats["prompts"] += 1
             self.stats["episodes"] += len(acks)
             self.stats["tokens"] += sum(len(c.token_ids) for c in completions)

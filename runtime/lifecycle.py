@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Coroutine
 from typing import Any, Self
 
@@ -32,6 +33,7 @@ log = logging.getLogger("streamforge.lifecycle")
 EXIT_OK = 0
 EXIT_CRASHED = 1
 EXIT_FORCED = 130
+CANCEL_TIMEOUT_S = 10.0  # how long serve waits for its cancelled loops to end
 
 
 class Service:
@@ -116,7 +118,11 @@ class Service:
             stopper.cancel()
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            _, stuck = await asyncio.wait(tasks, timeout=CANCEL_TIMEOUT_S)
+            for task in stuck:  # a loop that ignores its cancellation: say where it hangs, then go on
+                where = "".join(traceback.format_stack(task.get_stack(limit=1)[-1])) if task.get_stack() else "?"
+                log.error("%s: loop %r did not stop within %.0f s of its cancellation, at:\n%s", self.name,
+                          tasks[task], CANCEL_TIMEOUT_S, where)
             await self.stop()
         if crash is not None:
             raise crash

@@ -39,7 +39,8 @@ CATALOG: tuple[Channel, ...] = (
             "Batch", "topics.batches_partitions"),
     Channel("kafka", "sft", "feeder (SFT mode)", "trainer (SFT mode)", "example_id",
             "SFTExample", "topics.sft_partitions"),
-    Channel("kafka", "drops", "buffer", "audit", "group_id", "DropRecord", "topics.drops_partitions"),
+    Channel("kafka", "drops", "buffer", "audit, generator (quota refunds)", "group_id", "DropRecord",
+            "topics.drops_partitions"),
     Channel("kafka", "dead-letter", "every role", "audit, `streamforge tail`", "source topic",
             "DeadLetter", "topics.dead_letter_partitions"),
     Channel("nats", "policy.version", "trainer", "generator, buffer", "-", "PolicyVersion", "nats.url"),
@@ -47,6 +48,8 @@ CATALOG: tuple[Channel, ...] = (
             "PolicyVersion it pushes)", "trainer", "-", "Membership", "weightsync.heartbeat_s"),
     Channel("nats", "generators.ack", "generator", "trainer", "-", "VersionAck", "weightsync.ack_deadline_s"),
     Channel("kv", "policy", "trainer", "generator, buffer, status", "`latest`", "PolicyVersion", "nats.kv_history"),
+    Channel("kv", "policy", "trainer (after every step)", "buffer, generator", "`progress`", "TrainerProgress",
+            "buffer.max_batches_ahead"),
     Channel("kv", "policy", "trainer (weightsync fencing)", "buffer, generator", "`fenced`",
             "JSON {generator_id: {last_acked_version, fenced_at, missed_version}}", "weightsync.ack_deadline_s"),
 )
@@ -118,6 +121,7 @@ class Names:
         return f"{self.prefix}_policy"
 
     LATEST_KEY = "latest"
+    PROGRESS_KEY = "progress"
 
     def topics(self) -> list[str]:
         return [self.prompts, self.episodes, self.batches, self.sft, self.drops, self.dead_letter]

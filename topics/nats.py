@@ -1,7 +1,7 @@
 """NATS clients: connection with auth/TLS and retries, schema messages with trace headers, the policy KV store.
 
 ``PolicyStore`` keeps the latest ``PolicyVersion`` in a JetStream KV bucket (``{prefix}_policy``, key
-``latest``). ``publish`` is a compare-and-set on the bucket revision, so a stale trainer (a zombie after a
+``latest``), and the trainer's ``TrainerProgress`` (key ``progress``, written after every step). ``publish`` is a compare-and-set on the bucket revision, so a stale trainer (a zombie after a
 restart, say) cannot overwrite a newer version: it gets ``StaleWriter``. After a successful write the version is
 also announced on the ``{prefix}.policy.version`` subject (with trace context), for subscribers that do not watch
 the bucket. Every request is bounded by ``nats.request_timeout_s``.
@@ -27,7 +27,7 @@ from topics import codec
 from topics.config import NatsConfig
 from topics.errors import BrokerUnavailable, CodecError, StaleWriter, TimeoutExpired
 from topics.names import Names
-from topics.schemas import PolicyVersion
+from topics.schemas import PolicyVersion, TrainerProgress
 from topics.tracing import context_from_nats, nats_headers
 
 # ``on_bad(source, raw value, error)``: what a reader does with a NATS message or KV value it cannot decode
@@ -173,10 +173,29 @@ class PolicyStore:
         except KeyNotFoundError:
             return None
 
+    def source(self, key: str) -> str:
+        """How a value of ``key`` is named as a dead letter's ``source``: ``kv:<bucket>/<key>``."""
+        return f"kv:{self.names.policy_bucket}/{key}"
+
     @property
     def latest_source(self) -> str:
         """How a value of the latest-version key is named as a dead letter's ``source``."""
-        return f"kv:{self.names.policy_bucket}/{self.names.LATEST_KEY}"
+        return self.source(self.names.LATEST_KEY)
+
+    async def progress(self) -> TrainerProgress | None:
+        """The trainer's latest progress, or None (none written yet, or a value that does not decode)."""
+        data = await self.get(self.names.PROGRESS_KEY)
+        if data is None:
+            return None
+        try:
+            return codec.decode(data, expect=TrainerProgress)
+        except CodecError as exc:
+            log.warning("policy store: undecodable progress: %s", exc)
+            return None
+
+    async def put_progress(self, progress: TrainerProgress) -> int:
+        """Write the trainer's progress (plain put: only the trainer writes it, and the newest wins)."""
+        return await self.kv.put(self.names.PROGRESS_KEY, codec.encode(progress))
 
     async def watch(self, on_bad: OnBadMessage | None = None) -> AsyncIterator[PolicyVersion]:
         """Yield the current version (if any), then every newer one as it is written. Runs until cancelled.
@@ -184,19 +203,28 @@ class PolicyStore:
         A value that fails to decode is logged and skipped (it cannot be acted on); ``on_bad(source, value, error)``
         (e.g. a role's dead-letter writer) is awaited for it first, with ``latest_source`` as the source.
         """
-        watcher = await self.kv.watch(self.names.LATEST_KEY)
+        async for pv in self._watch(self.names.LATEST_KEY, PolicyVersion, on_bad):
+            yield pv
+
+    async def watch_progress(self, on_bad: OnBadMessage | None = None) -> AsyncIterator[TrainerProgress]:
+        """``watch`` for the trainer's progress key."""
+        async for p in self._watch(self.names.PROGRESS_KEY, TrainerProgress, on_bad):
+            yield p
+
+    async def _watch(self, key: str, schema: type, on_bad: OnBadMessage | None) -> AsyncIterator[Any]:
+        watcher = await self.kv.watch(key)
         try:
             async for entry in watcher:
                 if entry is None or entry.value is None or entry.operation is not None:
                     continue  # the "initial values done" marker, or a delete/purge
                 try:
-                    pv = codec.decode(entry.value, expect=PolicyVersion)
+                    value = codec.decode(entry.value, expect=schema)
                 except CodecError as exc:
-                    log.error("policy store: undecodable value at revision %s: %s", entry.revision, exc)
+                    log.error("policy store: undecodable %s at revision %s: %s", key, entry.revision, exc)
                     if on_bad is not None:
-                        await on_bad(self.latest_source, bytes(entry.value), exc)
+                        await on_bad(self.source(key), bytes(entry.value), exc)
                     continue
-                yield pv
+                yield value
         finally:
             with contextlib.suppress(Exception):  # the connection may be closed already
                 await watcher.stop()

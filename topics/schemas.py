@@ -202,6 +202,22 @@ class PolicyVersion:
 
 
 @dataclass(kw_only=True, slots=True)
+class TrainerProgress:
+    """Where the trainer is: steps trained and the version it trains with, written after every step (KV key
+    ``progress``). Buffers count the batches queued for the trainer from it, generators their quota."""
+
+    SCHEMA: ClassVar[str] = "trainer_progress"
+    VERSION: ClassVar[int] = 1
+
+    step: int  # optimizer steps trained
+    version: int  # the policy version it trains with (its latest publication, in flight or done)
+    published_step: int = 0  # the step that publication covers: steps after it are not published yet
+    publish_every: int = 1  # trainer.publish_every: at most one version per this many steps
+    trainer_id: str = ""
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
 class VersionAck:
     """A generator's report that it adopted (or failed to adopt) a policy version."""
 
@@ -279,7 +295,8 @@ class DeadLetter:
 
 
 ALL_SCHEMAS: tuple[type, ...] = (
-    Prompt, Episode, Batch, PolicyVersion, VersionAck, Membership, SFTExample, DropRecord, DeadLetter,
+    Prompt, Episode, Batch, PolicyVersion, TrainerProgress, VersionAck, Membership, SFTExample, DropRecord,
+    DeadLetter,
 )
 
 

@@ -227,7 +227,7 @@ async def test_generator_survives_ten_thousand_bad_prompts(run_config, tmp_path)
 
     model = build_tiny_model(tmp_path / "tiny", seed=0)
     cfg = with_section(run_config, "generator", group_size=2, max_tokens=2, generator_id="fuzz",
-                       max_policy_lag=1000)
+                       max_policy_lag=1000, groups_per_step=0.0)  # no trainer: no quota
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model), max_seq_len=64))
     role_cfg = with_section(cfg, "kafka", max_message_bytes=ROLE_MAX_BYTES)
     good = [p for _, p in zip(range(4), toy_prompts("addmod10", seed=3))]

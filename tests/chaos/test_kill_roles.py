@@ -155,6 +155,6 @@ def test_nats_outage_of_ten_seconds_hangs_nothing(tmp_path: Path) -> None:
     # while NATS is frozen the trainer trains the bounded backlog (the generator's quota stops it taking prompts
     # it cannot be sure the trainer wants) and cannot announce versions; afterwards everyone catches up, and no
     # batch trained was staler than the bound (the trainer drops one that would be)
-    assert max(r["staleness_mean"] for r in rows) <= 2  # staleness.max_versions holds through the outage
+    assert max(r["staleness_max"] for r in rows) <= 4  # staleness.max_versions holds through the outage
     audit = orjson.loads((run_dir / "audit.json").read_bytes())
     assert audit["lost"] == 0 and audit["trained_twice"] == 0, audit

@@ -75,6 +75,7 @@ async def engine(model_dir):
 
 
 def configure(cfg, model_dir: Path, **generator):
+    generator.setdefault("groups_per_step", 0.0)  # no trainer publishes here: no quota unless a test sets one
     gen = dataclasses.replace(cfg.generator, **generator)
     return dataclasses.replace(cfg, generator=gen, model=dataclasses.replace(cfg.model, path=str(model_dir)))
 
@@ -430,39 +431,42 @@ async def test_follows_published_versions_and_holds_when_behind(run_config, engi
         await nc.close()
 
 
-async def test_quota_keeps_the_generator_at_most_lag_versions_ahead(run_config, engine, model_dir):
-    """``groups_per_version``: prompts are taken only as the trainer publishes versions; the liveness guard
-    grants more after ``backpressure_stall_s`` with nothing in flight."""
+async def test_quota_keeps_the_generator_within_its_window_of_trainer_steps(run_config, engine, model_dir):
+    """The quota: ``groups_per_step`` groups per trainer step, at most ``quota_window_steps`` steps beyond the
+    trainer's published step (before the first version too); the liveness guard grants one step's worth more
+    after ``backpressure_stall_s`` with nothing in flight."""
     from topics.nats import PolicyStore, connect
     from topics.schemas import PolicyVersion
 
     cfg = configure(run_config, model_dir, group_size=2, max_tokens=4, rewards=["toy"], generator_id="g5",
-                    max_policy_lag=0, groups_per_version=2, backpressure_stall_s=3.0)
+                    max_policy_lag=0, groups_per_step=1, quota_window_steps=2, backpressure_stall_s=3.0,
+                    quota_counts_zero_variance=True)
     nc = await connect(cfg.nats, name="test-trainer")
     store = PolicyStore(nc, cfg.names)
     await store.start()
-    rev = await store.publish(PolicyVersion(version=0, step=0, transport="none"), expected_revision=0)
     role = build_role("generator", cfg, engine=engine)
     stop = asyncio.Event()
     task = asyncio.create_task(role.serve(stop))
     try:
-        await feed(cfg, [p for _, p in zip(range(5), toy_prompts("addmod10", seed=31))])
+        await feed(cfg, [p for _, p in zip(range(6), toy_prompts("addmod10", seed=31))])
 
         def groups(rs) -> int:
             return len({r.value.group_id for r in rs})
 
         async with Tail(cfg, cfg.names.episodes, Episode) as tail:
-            await tail.until(lambda rs: len(rs) >= 4, 60, "the first version's 2 groups", task)
+            await tail.until(lambda rs: len(rs) >= 4, 60, "the window's 2 groups, before any version", task)
             await asyncio.sleep(1.0)
             await tail.until(lambda rs: True, 1, "")
             assert groups(tail.records) == 2 and role.backpressure.ahead()  # holding for the trainer
 
-            await store.publish(PolicyVersion(version=1, step=1, transport="none"), expected_revision=rev)
-            await tail.until(lambda rs: groups(rs) >= 4, 60, "2 more groups at version 1", task)
-            assert role.backpressure.quota() == 4
+            rev = await store.publish(PolicyVersion(version=0, step=1, transport="none"), expected_revision=0)
+            await tail.until(lambda rs: groups(rs) >= 3, 60, "1 more group for the trainer's step 1", task)
+            await store.publish(PolicyVersion(version=1, step=3, transport="none"), expected_revision=rev)
+            await tail.until(lambda rs: groups(rs) >= 5, 60, "2 more: a version covering two steps", task)
+            assert role.backpressure.quota() == 5
             t0 = time.monotonic()
-            await tail.until(lambda rs: groups(rs) >= 5, 60, "the last group, after the liveness guard", task)
-            assert time.monotonic() - t0 >= 2.0 and role.backpressure.granted == 2
+            await tail.until(lambda rs: groups(rs) >= 6, 60, "the last group, after the liveness guard", task)
+            assert time.monotonic() - t0 >= 2.0 and role.backpressure.granted == 1
         await stop_role(stop, task)
     finally:
         engine.version = 0  # "none" versions only relabel the same weights

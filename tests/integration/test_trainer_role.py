@@ -131,10 +131,13 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
 async def test_a_batch_too_stale_when_its_turn_comes_is_dropped_and_counted(run_config, tiny_dir: Path):
     """staleness.max_versions (2 here) holds where it matters, when the trainer reaches a batch: after three
     versions, batches sampled at version 0 are refused (dead-lettered as ``stale``, counted), a fresh one trains."""
+    import dataclasses
+
+    from streamforge.staleness import StalenessConfig
+
     from streamforge.roles import build_role
 
-    cfg = run_config
-    assert cfg.staleness.max_versions == 2
+    cfg = dataclasses.replace(run_config, staleness=StalenessConfig(max_versions=2))
     cfg.model.path = str(tiny_dir)
     cfg.trainer.max_steps = 4
     cfg.trainer.checkpoint_every = 100

@@ -34,7 +34,7 @@ def test_up_trains_smollm2_two_steps_and_swaps(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "streamforge", "up", "--config", "configs/smollm2.yaml", "--run-dir", str(run_dir),
          f"--trainer.max_steps={STEPS}", "--trainer.reward_target=0", "--trainer.checkpoint_every=1000",
-         "--generator.group_size=4", "--generator.max_tokens=16", "--generator.groups_per_version=2",
+         "--generator.group_size=4", "--generator.max_tokens=16",
          "--buffer.groups_per_batch=2", "--buffer.filter_zero_variance=false", "--up.max_wall_s=600",
          "--up.drain_timeout_s=20"],
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=840,

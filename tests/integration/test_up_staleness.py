@@ -34,7 +34,7 @@ def test_a_slow_trainer_trains_nothing_staler_than_the_bound(tmp_path: Path) -> 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = read_metrics(run_dir / "metrics.jsonl")
     assert len(rows) == STEPS
-    assert max(r["staleness_max"] for r in rows) <= 2  # staleness.max_versions of the demo
+    assert max(r["staleness_max"] for r in rows) <= 4  # staleness.max_versions of the demo
     audit = orjson.loads((run_dir / "audit.json").read_bytes())
     assert audit["reconciles"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
     # throttled, not wasted: the buffer dropped (almost) nothing as stale, the trainer refused nothing as stale

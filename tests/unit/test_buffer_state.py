@@ -264,3 +264,46 @@ def test_rollout_reward_counts_zero_variance_groups_not_stale_ones():
     feed(s, [ep("next", 0, reward=0.0, version=3), ep("next", 1, reward=1.0, version=3)], start=6)
     (d,) = s.take_decisions(now=1, latest_version=3)
     assert d.batch.stats["rollout/episodes"] == 2.0 and d.batch.stats["rollout/reward_mean"] == 0.5  # reset
+
+
+def test_each_cut_batch_is_checked_against_the_lag_it_will_have():
+    """``future_versions``: the j-th batch cut now is trained after f(j) more versions at most, so its episodes may
+    lag the reference by max_policy_lag - f(j) only (staleness.max_versions holds at training)."""
+    s = BufferState(cfg(groups_per_batch=1, max_policy_lag=2))
+    feed(s, [ep("old", 0, version=3), ep("old", 1, version=3), ep("new", 0, version=4), ep("new", 1, version=4)])
+    decisions = s.take_decisions(now=0, latest_version=5, max_batches=2, future_versions=lambda j: j)
+    # first cut (0 queued): lag 2, both groups fit; cut one at a time, the second (1 queued) allows lag 1: v3 is stale
+    kinds = [(d.kind, d.group_ids if d.kind == "batch" else d.episode_ids, d.reason) for d in decisions]
+    assert kinds[0] == ("batch", ["old"], "")
+    assert ("batch", ["new"], "") in kinds and all(d.kind == "batch" for d in decisions)
+    s2 = BufferState(cfg(groups_per_batch=1, max_policy_lag=2))
+    feed(s2, [ep("old", 0, version=3), ep("old", 1, version=3), ep("new", 0, version=4), ep("new", 1, version=4)])
+    decisions = s2.take_decisions(now=0, latest_version=4, max_batches=1, future_versions=lambda j: 1 + j,
+                                  reference_version=5)  # one batch queued; the trainer's version 5 in flight
+    assert [(d.kind, d.reason) for d in decisions] == [("drop", Reason.STALE), ("batch", "")]
+    assert decisions[0].episode_ids == ["old/0", "old/1"] and decisions[1].group_ids == ["new"]
+
+
+def test_future_versions_follow_the_trainers_progress():
+    """The buffer's count of the versions a trainer may still publish before a batch cut now trains."""
+    from buffer.service import BufferRole
+    from topics.schemas import TrainerProgress
+
+    import collections
+
+    role = object.__new__(BufferRole)  # only the fields _future_versions reads
+    role.latest_version, role.trained_steps, role.published_step, role.progress = 7, 10, 9, None
+    role._progress_seen = collections.deque(maxlen=20)
+    f, ref = role._future_versions(1)
+    assert ref == 7 and [f(j) for j in range(3)] == [2, 3, 4]  # no progress: one per batch, one owed
+    role.progress = TrainerProgress(step=10, version=8, published_step=10, publish_every=1)
+    f, ref = role._future_versions(1)
+    assert ref == 8 and [f(j) for j in range(3)] == [1, 2, 3]  # version 8 in flight already counts in ref
+    role.progress = TrainerProgress(step=11, version=8, published_step=10, publish_every=2)
+    f, ref = role._future_versions(1)
+    assert [f(j) for j in range(4)] == [1, 1, 2, 2]  # a version per two steps: 1 unpublished + queued
+    role._progress_seen.extend([(0, 0), (40, 10)])  # publish_busy skip: a version per four steps seen
+    role.progress = TrainerProgress(step=11, version=8, published_step=11, publish_every=1)
+    f, _ = role._future_versions(2)
+    assert [f(j) for j in range(4)] == [1, 1, 1, 2]  # ceil(steps x 0.25): the rate seen, not one a step
+

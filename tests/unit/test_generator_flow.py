@@ -94,31 +94,66 @@ def test_backpressure_on_stale_weights():
     assert bp.latest == 2
 
 
-def test_backpressure_quota_keeps_the_generator_at_most_lag_versions_ahead():
-    bp = Backpressure(max_policy_lag=1, groups_per_version=2)
-    bp.took(3)
-    assert bp.open(0) and bp.quota() is None  # no trainer yet: not throttled
-    bp.published(5)  # first version seen: quota (5-5+1+1)*2 = 4
-    assert bp.quota() == 4 and bp.open(5)
-    bp.took()
-    assert not bp.open(5) and bp.ahead() and "ahead of the trainer" in bp.reason(5)
-    bp.published(6)  # the trainer consumed a version's worth: 2 more
-    assert bp.quota() == 6 and bp.open(6)
+def test_backpressure_quota_holds_at_most_the_window_beyond_the_trainers_step():
+    bp = Backpressure(max_policy_lag=1, groups_per_step=2, window_steps=2)
+    assert bp.quota() == 4 and bp.open(0)  # no trainer yet: the window's worth, never a flood
+    bp.took(4)
+    assert not bp.open(0) and bp.ahead() and "ahead of the trainer" in bp.reason(0)
+    bp.published(0, step=1)  # the trainer trained a step: 2 more
+    assert bp.quota() == 6 and bp.open(0)
     bp.took(2)
-    assert not bp.open(6)
-    bp.grant()  # liveness guard
-    assert bp.open(6) and bp.quota() == 8
+    assert not bp.open(0)
+    bp.published(1, step=4)  # one version covering three steps (publish_busy: skip) counts three steps
+    assert bp.quota() == 12
+    bp.grant()  # liveness guard: one step's worth
+    assert bp.quota() == 14
 
 
-def test_backpressure_rate_matches_the_trainer_over_many_versions():
-    """Cumulative, not reset per version: over k versions the generator takes (k + lag + 1) * gpv prompts."""
-    bp = Backpressure(max_policy_lag=2, groups_per_version=3)
-    bp.published(0)
-    for v in range(1, 50):
-        while bp.open(v - 1):
+def test_a_restarted_generator_counts_from_the_trainers_step_when_it_started():
+    bp = Backpressure(max_policy_lag=1, groups_per_step=2.5, window_steps=2)
+    bp.started_at(500)
+    assert bp.quota() == 5  # floor(2 * 2.5)
+    bp.published(90, step=501)
+    assert bp.quota() == 7  # floor(3 * 2.5)
+
+
+def test_backpressure_rate_matches_the_trainer_over_many_steps():
+    """Cumulative, not reset per version: over k steps the generator takes (k + window) * groups_per_step."""
+    bp = Backpressure(max_policy_lag=2, groups_per_step=3, window_steps=2)
+    for step in range(1, 50):
+        while bp.open(step - 1):
             bp.took()
-        bp.published(v)
-    assert bp.taken == (48 + 2 + 1) * 3
+        bp.published(step, step=step)
+    assert bp.taken == (48 + 2) * 3
+
+
+def test_zero_variance_groups_give_their_quota_back():
+    """With the buffer filtering zero-variance groups, such a group trains nothing: it uses no quota."""
+    bp = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1, count_zero_variance=False)
+    bp.published(0, step=0)
+    bp.took(2)
+    assert not bp.open(0)
+    bp.scored([1.0, 1.0, 1.0])  # all equal: refunded
+    assert bp.open(0) and bp.taken == 1 and bp.refunded == 1
+    bp.scored([0.0, 1.0])  # signal: counts
+    assert bp.taken == 1
+    counting = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1)  # the default counts every group
+    counting.took(2)
+    counting.scored([0.0, 0.0])
+    assert counting.taken == 2
+
+
+def test_the_liveness_guard_scales_with_the_interval_between_versions():
+    assert Backpressure(max_policy_lag=1, stall_s_config=7.5).stall_s() == 7.5
+    bp = Backpressure(max_policy_lag=1)
+    assert bp.stall_s() == 30.0  # before two versions were seen: the trainer may still be loading
+    for i in range(4):
+        bp.published(i, now=100.0 + 4.0 * i)  # a version every 4 s
+    assert bp.stall_s() == 12.0
+    fast = Backpressure(max_policy_lag=1)
+    fast.published(0, now=0.0)
+    fast.published(1, now=0.1)
+    assert fast.stall_s() == 2.0  # at least 2 s
 
 
 def test_build_episodes_ids_versions_and_lengths():

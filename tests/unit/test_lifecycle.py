@@ -79,6 +79,40 @@ async def test_a_crashed_loop_stops_the_service_with_a_clear_error() -> None:
     assert svc.stopped == 1 and svc.drained == 0
 
 
+async def test_a_loop_that_ignores_its_cancellation_does_not_hang_the_stop(monkeypatch, caplog) -> None:
+    import runtime.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle, "CANCEL_TIMEOUT_S", 0.3)
+
+    class Stubborn(Service):
+        name = "stubborn"
+        deaf_task: asyncio.Task | None = None
+        released = False
+
+        def loops(self):  # type: ignore[override]
+            return {"deaf": self._deaf()}
+
+        async def _deaf(self) -> None:
+            self.deaf_task = asyncio.current_task()
+            while not self.released:
+                try:
+                    await asyncio.sleep(10)
+                except asyncio.CancelledError:
+                    continue  # a swallowed cancellation (as asyncio.wait_for can when it races an event)
+
+    svc = Stubborn()
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(svc.serve(stop))
+    await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert svc._stopped and "loop 'deaf' did not stop within" in caplog.text and "_deaf" in caplog.text
+    svc.released = True  # let the stray loop end (the event loop is shared with other tests)
+    assert svc.deaf_task is not None
+    svc.deaf_task.cancel()
+    await asyncio.wait([svc.deaf_task], timeout=1)
+
+
 async def test_a_loop_that_returns_is_a_crash() -> None:
     class Returns(Service):
         def loops(self):  # type: ignore[override]

@@ -17,47 +17,52 @@ def load(*overrides: str, path: Path | None = None) -> RunConfig:
     return load_config(path, list(overrides), environ={})
 
 
-@pytest.mark.parametrize(("s", "ahead", "lag"), [(0, 1, 0), (1, 2, 0), (2, 2, 1), (3, 2, 2), (5, 2, 4)])
-def test_bounds_derive_from_the_one_setting(s: int, ahead: int, lag: int) -> None:
+@pytest.mark.parametrize(("s", "ahead", "gen_lag", "window"), [(0, 1, 0, 1), (1, 2, 0, 2), (2, 2, 1, 2),
+                                                                (3, 2, 1, 3), (5, 2, 1, 3)])
+def test_bounds_derive_from_the_one_setting(s: int, ahead: int, gen_lag: int, window: int) -> None:
     c = load(f"--staleness.max_versions={s}")
-    assert c.buffer.max_batches_ahead == ahead
-    assert c.buffer.max_policy_lag == lag and c.generator.max_policy_lag == lag
-    # the bound: a batch formed with B versions of lag waits at most A - 1 trainer steps
-    assert c.buffer.max_policy_lag + c.buffer.max_batches_ahead - 1 <= s
+    assert c.buffer.max_batches_ahead == ahead and c.buffer.max_policy_lag == s
+    assert c.generator.max_policy_lag == gen_lag and c.generator.quota_window_steps == window
+    # the quota's bound: a group is trained at most window - 1 versions after it was taken, by weights gen_lag old
+    assert (window - 1) + gen_lag <= s
 
 
-def test_quota_is_each_generators_share_of_a_versions_groups() -> None:
+def test_quota_is_each_generators_share_of_a_steps_groups() -> None:
     c = load("--buffer.groups_per_batch=8", "--trainer.publish_every=2", "--up.generators=3")
-    assert c.generator.groups_per_version == 6  # ceil(8 * 2 / 3)
-    assert load("--buffer.token_budget=4096").generator.groups_per_version == 0  # groups per batch unknown
+    assert c.generator.groups_per_step == pytest.approx(8 / 3)
+    assert c.generator.quota_window_steps == 3  # min((S - G) * P + 1, A + 1) steps
+    assert load("--buffer.token_budget=4096").generator.groups_per_step == 0  # groups per batch unknown
     assert not load().generator.quota_counts_zero_variance  # the buffer filters them: they use no quota
     assert load("--buffer.filter_zero_variance=false").generator.quota_counts_zero_variance
 
 
 def test_explicit_settings_win_over_derived_ones() -> None:
-    c = load("--staleness.max_versions=3", "--buffer.max_batches_ahead=1", "--generator.groups_per_version=5")
-    assert c.buffer.max_batches_ahead == 1 and c.generator.groups_per_version == 5
-    assert c.buffer.max_policy_lag == 2  # still derived
+    c = load("--staleness.max_versions=3", "--buffer.max_batches_ahead=1", "--generator.groups_per_step=5")
+    assert c.buffer.max_batches_ahead == 1 and c.generator.groups_per_step == 5
+    assert c.buffer.max_policy_lag == 3  # still derived
     env = load_config(None, [], environ={"STREAMFORGE_GENERATOR__MAX_POLICY_LAG": "0"})
     assert env.generator.max_policy_lag == 0
 
 
 def test_the_demo_derives_its_bounds() -> None:
     c = load(path=ROOT / "configs" / "demo.yaml")
-    assert (c.buffer.max_batches_ahead, c.buffer.max_policy_lag, c.generator.max_policy_lag) == (2, 1, 1)
-    assert c.generator.groups_per_version == 8
+    assert (c.buffer.max_batches_ahead, c.buffer.max_policy_lag, c.generator.max_policy_lag) == (2, 4, 1)
+    assert c.generator.groups_per_step == 8 and c.generator.quota_window_steps == 3
 
 
 def test_a_generator_lag_beyond_the_buffers_names_both_keys() -> None:
     with pytest.raises(ConfigError) as err:
-        load("--generator.max_policy_lag=3", "--buffer.max_policy_lag=1")
+        load("--generator.max_policy_lag=2", "--buffer.max_policy_lag=1")
     assert err.value.key == "generator.max_policy_lag" and "buffer.max_policy_lag" in str(err.value)
 
 
 def test_settings_that_break_the_bound_are_refused() -> None:
     with pytest.raises(ConfigError) as err:
-        load("--buffer.max_policy_lag=2", "--buffer.max_batches_ahead=2")
-    assert "staleness.max_versions" in str(err.value) and "buffer.max_batches_ahead" in str(err.value)
+        load("--buffer.max_policy_lag=5")
+    assert err.value.key == "buffer.max_policy_lag" and "staleness.max_versions" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load("--buffer.max_batches_ahead=6")
+    assert err.value.key == "buffer.max_batches_ahead" and "staleness.max_versions 4" in str(err.value)
     with pytest.raises(ConfigError) as err:
         load("--buffer.max_batches_ahead=0")
     assert err.value.key == "buffer.max_batches_ahead"
@@ -67,7 +72,7 @@ def test_settings_that_break_the_bound_are_refused() -> None:
 def test_no_bound() -> None:
     c = load("--staleness.max_versions=-1")
     assert c.buffer.max_batches_ahead == 0 and c.buffer.max_policy_lag == UNBOUNDED_LAG
-    assert c.generator.groups_per_version == 0
+    assert c.generator.groups_per_step == 0
     with pytest.raises(ConfigError, match="staleness.max_versions"):
         load("--staleness.max_versions=-2")
 
