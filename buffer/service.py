@@ -154,7 +154,7 @@ class BufferRole(Service):
         await self.store.start()
         self.fence = FenceView(self._nc, self.names)
         await self.fence.start()
-        pv, _ = await self.store.latest()
+        pv, _ = await self.store.latest_good(on_bad=self._dead_letter_value)  # past a bad value: the last good
         self.latest_version = pv.version if pv is not None else None
         self.trained_steps = self.published_step = pv.step if pv is not None else 0
         if self.cfg.max_batches_ahead > 0:

@@ -15,7 +15,7 @@ The policy version continues from ``max(checkpoint version, latest version in th
 go backwards for the generators.
 
 Stops: ``trainer.max_steps`` steps or a running mean reward over ``reward_window`` batches reaching
-``trainer.reward_target`` finish the run (exit 0); SIGTERM drains. Either way the in-flight step completes, a
+``trainer.reward_target`` finish the run (exit 0, and ``<run_dir>/trainer/done.json`` says why); SIGTERM drains. Either way the in-flight step completes, a
 final checkpoint and ``<run_dir>/hf`` are written and the last publication round is awaited.
 """
 
@@ -24,10 +24,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
+import socket
 import time
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 from opentelemetry import trace
 
@@ -46,6 +49,7 @@ from topics.schemas import Batch, SFTExample, TrainerProgress
 from weightsync.config import WeightSyncConfig
 
 log = logging.getLogger("streamforge.trainer")
+DONE_FILE = "trainer/done.json"  # written when the run finished by itself (see _write_done)
 _tracer = trace.get_tracer("streamforge.trainer")
 
 
@@ -80,6 +84,7 @@ class TrainerRole(Service):
         self.max_staleness = max_staleness
         self.names = ctx.names
         self.run_dir = ctx.run_dir
+        self.trainer_id = f"trainer-{socket.gethostname()}-{os.getpid()}"  # one per process: a zombie is told apart
         self.drain_timeout_s = self.weightsync.ack_deadline_s + 60.0
         self.d: Dist = Dist()
         self.engine: TrainEngine | None = None
@@ -144,6 +149,7 @@ class TrainerRole(Service):
             log.info("trainer resumed from step %d (version %d) at offsets %s", self.step, self.version, offsets)
         if not self.d.is_main:
             return
+        (self.run_dir / DONE_FILE).unlink(missing_ok=True)  # written again when this run finishes
         removed = Ledger.truncate_after(self.run_dir, self.step)
         truncate_metrics_after(self.run_dir / "metrics.jsonl", self.step)
         if removed:
@@ -171,7 +177,7 @@ class TrainerRole(Service):
 
             self.nc = await connect(self.ctx.nats, name="trainer")
             self.publisher = WeightPublisher(self.weightsync, nc=self.nc, names=self.names,
-                                             run_dir=self.run_dir, trainer_id="trainer")
+                                             run_dir=self.run_dir, trainer_id=self.trainer_id)
             self.publisher.on_bad = dead.send_undecodable  # undecodable membership and ack messages
             await self.publisher.start()
             if self.publisher.latest_version > self.version:
@@ -234,6 +240,14 @@ class TrainerRole(Service):
         self.cmd.send(QUIT)
         self._quit_sent = True
 
+    def _write_done(self, reason: str) -> None:
+        """``<run_dir>/trainer/done.json``: the run reached its end (``max_steps`` or ``reward_target``), and why.
+        ``up`` counts a trainer that exits 0 without it as a run that did not finish."""
+        path = self.run_dir / DONE_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(orjson.dumps({"reason": reason, "step": self.step, "policy_version": self.version,
+                                       "time": time.time()}))
+
     def _finish(self, reason: str) -> None:
         log.info("trainer finished: %s", reason)
         self.finished_reason = reason
@@ -256,6 +270,7 @@ class TrainerRole(Service):
         while not self.stopping:
             done = self._done_reason()
             if done:
+                self._write_done(done)
                 self._finish(done)
                 break
             batch, records = await self._next_batch()
@@ -390,7 +405,7 @@ class TrainerRole(Service):
             return
         self._progress_due = TrainerProgress(step=self.step, version=self.version,
                                              published_step=self._published_step,
-                                             publish_every=self.cfg.publish_every, trainer_id="trainer")
+                                             publish_every=self.cfg.publish_every, trainer_id=self.trainer_id)
         if self._progress_task is None or self._progress_task.done():
             self._progress_task = asyncio.ensure_future(self._write_progress())
 

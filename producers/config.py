@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from topics.errors import ConfigError, check_choices
+from topics.names import MAX_MEMBER_ID, valid_member_id
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,6 +47,9 @@ class GeneratorConfig:
 
     def __post_init__(self) -> None:
         check_choices(self, "generator")
+        if self.generator_id and not valid_member_id(self.generator_id):
+            raise ConfigError("generator.generator_id", f"{self.generator_id[:40]!r}...: at most {MAX_MEMBER_ID} "
+                              "letters, digits and . _ : @ - (starting with a letter or digit)")
         if self.group_size < 1:
             raise ConfigError("generator.group_size", "must be at least 1")
         if self.max_tokens < 1:

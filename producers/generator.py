@@ -138,7 +138,7 @@ class GeneratorRole(Service):
         self.store = PolicyStore(self.nc, self.names, history=ctx.nats.kv_history,
                                  timeout_s=ctx.nats.request_timeout_s)
         await self.store.start()
-        current, _ = await self.store.latest()
+        current, _ = await self.store.latest_good(on_bad=self._dead_letter_value)
         progress = await self.store.progress()
         steps = [x.step for x in (current, progress) if x is not None]
         if steps:  # a restart or a late join: the quota counts from the trainer's step now

@@ -6,7 +6,10 @@ supervises the service's long-running loops: it returns when ``stop`` is set (af
 crashed loop stops the role with a clear message, it never leaves the process hanging.
 
 ``run_service(service)`` is what ``streamforge run <role>`` calls: uvloop event loop; the first SIGINT/SIGTERM
-drains gracefully (bounded by ``drain_timeout_s``), the second forces exit (code 130); a crashed loop exits 1.
+drains gracefully (bounded by ``drain_timeout_s``), the second forces exit (code 130); a crashed loop exits 1, and
+within ``CRASH_EXIT_S`` of the crash whatever it holds: the crash arms a timer that ends the process hard
+(``os._exit``) if closing its clients, joining its threads (a gloo or NCCL collective, a thread pool) or the
+interpreter's own shutdown takes longer. A role never lingers half-dead after a failure.
 Once the role has started it collects and freezes the heap (``gc.freeze``): everything start-up made (modules,
 clients, a model) moves to the collector's permanent generation, so its full passes scan only what the loops
 create. In the buffer role the collector scanning the start-up heap again and again had cost about a seventh of
@@ -17,13 +20,15 @@ is never reclaimed, and start-up makes that once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
 import signal
 import sys
+import threading
 import traceback
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Self
 
 from topics.errors import RoleCrashed
@@ -34,6 +39,7 @@ EXIT_OK = 0
 EXIT_CRASHED = 1
 EXIT_FORCED = 130
 CANCEL_TIMEOUT_S = 10.0  # how long serve waits for its cancelled loops to end
+CRASH_EXIT_S = 10.0  # a crashed role's process ends (code 1) at most this long after the crash
 
 
 class Service:
@@ -86,11 +92,13 @@ class Service:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False) -> None:
+    async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False,
+                    on_crash: Callable[[RoleCrashed], None] | None = None) -> None:
         """Start, run every loop supervised until ``stop`` is set or a loop ends, then drain and stop.
 
         ``freeze_heap``: once started, collect and ``gc.freeze()`` (module docstring); for a process's main
-        service only (``run_service``), never for services that come and go inside one process."""
+        service only (``run_service``), never for services that come and go inside one process. ``on_crash`` is
+        called as soon as a loop crashed, before anything is stopped (``run_service`` arms its exit timer)."""
         stop = stop or asyncio.Event()
         await self.start()
         if freeze_heap:
@@ -107,6 +115,8 @@ class Service:
                 exc = task.exception() if not task.cancelled() else asyncio.CancelledError()
                 crash = RoleCrashed(self.name, tasks[task], exc)
                 log.error("%s", crash)
+                if on_crash is not None:
+                    on_crash(crash)
                 break
             self._stopping.set()
             if crash is None:
@@ -161,10 +171,37 @@ def run_service(service: Service, *, use_uvloop: bool = True) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
         try:
-            await service.serve(stop, freeze_heap=True)
-        except RoleCrashed as exc:
-            print(f"streamforge: {exc}", file=sys.stderr)
+            await service.serve(stop, freeze_heap=True, on_crash=arm_crash_exit)
+        except RoleCrashed:
             return EXIT_CRASHED
+        except BaseException as exc:  # a failed start: the same bound on how long the process may linger
+            if not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                arm_crash_exit(exc)
+            raise
         return EXIT_OK
 
     return asyncio.run(main())
+
+
+_exit_timer: threading.Timer | None = None
+
+
+def arm_crash_exit(crash: BaseException, seconds: float | None = None) -> None:
+    """Say why the role stops, then end the process (exit code 1) in ``CRASH_EXIT_S`` unless it has ended by
+    itself: the timer is a daemon thread, so a clean exit is never delayed by it. Idempotent."""
+    global _exit_timer
+    if _exit_timer is not None:
+        return
+    print(f"streamforge: {crash}", file=sys.stderr, flush=True)
+    wait = CRASH_EXIT_S if seconds is None else seconds
+
+    def hard_exit() -> None:
+        log.error("still running %.0f s after the failure: exiting now", wait)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(EXIT_CRASHED)
+
+    _exit_timer = threading.Timer(wait, hard_exit)
+    _exit_timer.daemon = True
+    _exit_timer.start()

@@ -164,6 +164,17 @@ def config_command(ctx: click.Context, config_path: str | None, explain: bool, s
     click.echo(explain_text(config, section) if explain else dump_config(config), nl=False)
 
 
+@main.command("nats-permissions", context_settings=OVERRIDES)
+@click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
+@click.pass_context
+def nats_permissions(ctx: click.Context, config_path: str | None) -> None:
+    """Print nats-server's `authorization` block for the run: one user per role, each allowed only its subjects."""
+    from streamforge.permissions import nats_authorization
+
+    config = _load(config_path, tuple(ctx.args))
+    click.echo(nats_authorization(config.names), nl=False)
+
+
 @main.group()
 def topics() -> None:
     """Create or describe the run's topics."""

@@ -41,7 +41,7 @@ async def nats_status(config: Any, *, listen_s: float = 2.5) -> dict[str, Any]:
     try:
         store = PolicyStore(nc, config.names, timeout_s=config.nats.request_timeout_s)
         await store.start()
-        latest, revision = await store.latest()
+        latest, revision = await store.latest_good()
         generators: dict[str, dict[str, Any]] = {}
 
         async def on_msg(msg: Any) -> None:

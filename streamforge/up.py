@@ -4,7 +4,8 @@ Contract: starts the embedded brokers unless the config names external ones (``k
 creates the run's topics, prepares the model when ``model.path`` is empty (converts ``model.source`` once into its
 cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every role with
 ``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``). It waits for the trainer to finish
-(``trainer.max_steps`` or ``trainer.reward_target``), then drains the other roles (SIGTERM, SIGKILL after
+(``trainer.max_steps`` or ``trainer.reward_target``: it exits 0 and writes ``trainer/done.json``; a trainer that
+exits without it did not finish, a failure), then drains the other roles (SIGTERM, SIGKILL after
 ``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
 why (exit code and the tail of its log) and stops the rest with exit code 1, or restarts it when
 ``up.restart`` is set. A wall budget (``up.max_wall_s``) that runs out stops the run with exit code 1: the run
@@ -304,9 +305,12 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             await asyncio.wait([waiter], timeout=1.0)
             view.refresh()
             rc = trainer.poll()
-            if rc == 0:
-                print("trainer finished", flush=True)
+            done = run_dir / "trainer" / "done.json"
+            if rc == 0 and done.exists():
+                print(f"trainer finished: {orjson.loads(done.read_bytes()).get('reason', '')}", flush=True)
                 break
+            if rc == 0:  # it stopped without reaching max_steps or its reward target (a SIGTERM from elsewhere)
+                print("trainer exited without finishing the run (no trainer/done.json)", file=sys.stderr, flush=True)
             failed = [c for c in children if c.poll() is not None and (c is trainer or c.poll() != 0)]
             failed += [c for c in children if c.poll() == 0 and c.role not in ("trainer", "feeder")]
             if failed:

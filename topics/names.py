@@ -17,6 +17,16 @@ def valid_prefix(prefix: str) -> bool:
     return bool(_PREFIX_RE.match(prefix))
 
 
+MAX_MEMBER_ID = 128  # bounds every generator id, so the fencing record stays far below NATS's payload limit
+_MEMBER_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_MEMBER_ID - 1}}}$")
+
+
+def valid_member_id(member_id: str) -> bool:
+    """A generator id: 1 to ``MAX_MEMBER_ID`` characters of letters, digits and ``. _ : @ -``, starting with a
+    letter or digit (a hostname and pid, a pod name)."""
+    return bool(_MEMBER_RE.match(member_id))
+
+
 @dataclass(frozen=True, slots=True)
 class Channel:
     """One row of the topic table."""
@@ -43,14 +53,18 @@ CATALOG: tuple[Channel, ...] = (
             "topics.drops_partitions"),
     Channel("kafka", "dead-letter", "every role", "audit, `streamforge tail`", "source topic",
             "DeadLetter", "topics.dead_letter_partitions"),
-    Channel("nats", "policy.version", "trainer", "generator, buffer", "-", "PolicyVersion", "nats.url"),
+    Channel("nats", "policy.version", "trainer", "none (roles watch the KV bucket's `latest`; for observers outside "
+            "streamforge)", "-", "PolicyVersion", "nats.url"),
     Channel("nats", "generators.membership", "generator (join is a request: the trainer replies with the "
-            "PolicyVersion it pushes)", "trainer", "-", "Membership", "weightsync.heartbeat_s"),
-    Channel("nats", "generators.ack", "generator", "trainer", "-", "VersionAck", "weightsync.ack_deadline_s"),
-    Channel("kv", "policy", "trainer", "generator, buffer, status", "`latest`", "PolicyVersion", "nats.kv_history"),
+            "PolicyVersion it pushes)", "trainer, status", "-", "Membership", "weightsync.heartbeat_s"),
+    Channel("nats", "generators.ack", "generator", "trainer, status", "-", "VersionAck", "weightsync.ack_deadline_s"),
+    Channel("kv", "policy", "trainer (owns it: rewrites a value it did not write)",
+            "generator, buffer, status, trainer (a restart continues after it)", "`latest`", "PolicyVersion",
+            "nats.kv_history"),
     Channel("kv", "policy", "trainer (after every step)", "buffer, generator", "`progress`", "TrainerProgress",
             "buffer.max_batches_ahead"),
-    Channel("kv", "policy", "trainer (weightsync fencing)", "buffer, generator", "`fenced`",
+    Channel("kv", "policy", "trainer (weightsync fencing)", "buffer, generator, trainer (a restart keeps it)",
+            "`fenced`",
             "JSON {generator_id: {last_acked_version, fenced_at, missed_version}}", "weightsync.ack_deadline_s"),
 )
 

@@ -136,7 +136,8 @@ class PolicyStore:
         return self._kv
 
     async def latest(self) -> tuple[PolicyVersion | None, int]:
-        """The latest version and its bucket revision (``(None, 0)`` before the first publication)."""
+        """The latest version and its bucket revision (``(None, 0)`` before the first publication). A value that
+        does not decode raises its ``CodecError`` (``latest_good`` reads past it)."""
         try:
             entry = await self.kv.get(self.names.LATEST_KEY)
         except KeyNotFoundError:
@@ -144,6 +145,34 @@ class PolicyStore:
         if entry.value is None:
             return None, entry.revision or 0
         return codec.decode(entry.value, expect=PolicyVersion), entry.revision
+
+    async def latest_good(self, on_bad: OnBadMessage | None = None) -> tuple[PolicyVersion | None, int]:
+        """The newest *decodable* version in the key's history and the key's current revision: what a reader
+        acts on when somebody wrote garbage over ``latest``. The bad value (the newest, if it is bad) is handed to
+        ``on_bad(source, value, error)`` first."""
+        try:
+            entry = await self.kv.get(self.names.LATEST_KEY)
+        except KeyNotFoundError:
+            return None, 0
+        revision = entry.revision or 0
+        try:
+            return (codec.decode(entry.value, expect=PolicyVersion) if entry.value else None), revision
+        except CodecError as exc:
+            log.error("policy store: undecodable latest at revision %s: %s", revision, exc)
+            if on_bad is not None:
+                await on_bad(self.latest_source, bytes(entry.value), exc)
+        try:
+            history = await self.kv.history(self.names.LATEST_KEY)
+        except Exception:  # noqa: BLE001 - no history to read past it: the reader starts with nothing
+            return None, revision
+        for old in reversed(history):
+            if old.value is None or old.revision == revision:
+                continue
+            try:
+                return codec.decode(old.value, expect=PolicyVersion), revision
+            except CodecError:
+                continue
+        return None, revision
 
     async def publish(self, pv: PolicyVersion, *, expected_revision: int) -> int:
         """Write ``pv`` if the bucket is still at ``expected_revision``; announce it; return the new revision.
@@ -162,6 +191,14 @@ class PolicyStore:
             raise StaleWriter(self.names.LATEST_KEY, expected_revision) from exc
         await publish_msg(self.nc, self.names.policy_subject, pv)
         return rev
+
+    async def entry(self, key: str) -> tuple[bytes | None, int]:
+        """A key's raw value and revision (``(None, 0)`` when it does not exist, ``(None, rev)`` when deleted)."""
+        try:
+            e = await self.kv.get(key)
+        except KeyNotFoundError:
+            return None, 0
+        return (bytes(e.value) if e.value is not None else None), e.revision or 0
 
     async def put(self, key: str, value: bytes) -> int:
         """Write an auxiliary key of the bucket (e.g. fencing records)."""

@@ -37,17 +37,26 @@ class WeightSyncConfig:
     join_timeout_s: float = 10.0  # a generator's join request (the trainer answers after starting its rendezvous)
     heartbeat_s: float = 2.0  # generator membership heartbeat period
     member_timeout_s: float = 10.0  # a generator silent for this long is dropped from the membership
+    # a joined generator must complete the weight-transfer handshake (its pair group; with the file transport its
+    # first ack) within this long, or it is dropped: rounds wait only for members that did
+    handshake_timeout_s: float = 15.0
+    max_members: int = 256  # joins beyond this many members are refused (dead-lettered)
+    # a fenced generator that is no longer a member and never acked a version leaves the fencing record after this
+    fence_expiry_s: float = 120.0
     pause_mode: Literal["keep", "wait"] = "keep"  # vLLM pause_generation mode around a swap
     staged_load: bool = True  # collective transports: stage each push in a shadow model before pausing (one more
     # copy of the weights in the generator; see weightsync/staging.py); False = reload inside the pause
 
     def __post_init__(self) -> None:
         check_choices(self, "weightsync")
-        for key in ("timeout_s", "ack_deadline_s", "join_timeout_s", "heartbeat_s", "member_timeout_s"):
+        for key in ("timeout_s", "ack_deadline_s", "join_timeout_s", "heartbeat_s", "member_timeout_s",
+                    "handshake_timeout_s", "fence_expiry_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"weightsync.{key}", "must be positive")
         if self.member_timeout_s <= self.heartbeat_s:
             raise ConfigError("weightsync.member_timeout_s", "must be longer than weightsync.heartbeat_s")
+        if self.max_members < 1:
+            raise ConfigError("weightsync.max_members", "must be at least 1")
         if self.bucket_mb < 1:
             raise ConfigError("weightsync.bucket_mb", "must be at least 1")
         if self.keep_versions < 1:

@@ -1,8 +1,13 @@
 """The trainer's view of the generators: membership, acknowledged versions and fencing (pure state, no I/O).
 
 A generator is a *member* from its ``join`` until its ``leave`` or until it has been silent (no join, heartbeat or
-ack) for ``member_timeout_s``. Every publication round expects an ack of the new version from every member it
-targeted; a member that does not ack by the deadline (or whose transfer failed, or that went silent) is *fenced*.
+ack) for ``member_timeout_s``. A member is *confirmed* once it completed the weight-transfer handshake (its pair
+group came up; with the file transport, its first ack); one that does not within ``handshake_timeout_s`` of its
+join is dropped (``expire_unconfirmed``). Every publication round expects an ack of the new version from every
+confirmed member; a member that does not ack by the deadline (or whose transfer failed, or that went silent) is
+*fenced*. A fenced generator that is no longer a member and never acked anything leaves the record after
+``fence_expiry_s`` (``expire_fences``): ids are bounded (``topics.names.valid_member_id``) and members capped, so
+the record stays far below NATS's payload limit.
 
 Fencing record (what the buffer reads): the JSON value of key ``fenced`` in the run's policy KV bucket,
 
@@ -36,6 +41,7 @@ class Member:
     acked_at: float = 0.0
     host: str = ""
     pid: int = 0
+    confirmed: bool = False  # the handshake of the current join is done (see the module docstring)
     state: Any = None  # transport state owned by the publisher (pair group, sender thread)
 
 
@@ -77,6 +83,7 @@ class Registry:
             m.session = self.session_of(msg)
             m.joined_at = now
             m.host, m.pid = msg.host, msg.pid
+            m.confirmed = False  # a new join, a new handshake
         m.acked_version = max(m.acked_version, msg.version)
         m.last_seen = now
         return m
@@ -87,6 +94,8 @@ class Registry:
         m = self.members.get(ack.generator_id)
         if m is not None:
             m.last_seen = now
+            if ack.ok:
+                m.confirmed = True
             if ack.ok and ack.version > m.acked_version:
                 m.acked_version, m.acked_at = ack.version, now
         if ack.ok and ack.generator_id in self.fenced and ack.version >= self.latest_version:
@@ -100,6 +109,23 @@ class Registry:
         gone = [m for m in self.members.values() if now - m.last_seen > self.member_timeout_s]
         for m in gone:
             del self.members[m.generator_id]
+        return gone
+
+    def expire_unconfirmed(self, timeout_s: float, *, now: float | None = None) -> list[Member]:
+        """Drop members whose handshake did not complete within ``timeout_s`` of their join; returns them."""
+        now = time.time() if now is None else now
+        gone = [m for m in self.members.values() if not m.confirmed and now - m.joined_at > timeout_s]
+        for m in gone:
+            del self.members[m.generator_id]
+        return gone
+
+    def expire_fences(self, expiry_s: float, *, now: float | None = None) -> list[str]:
+        """Forget fenced generators that are not members and never acked a version, fenced ``expiry_s`` ago."""
+        now = time.time() if now is None else now
+        gone = [gid for gid, f in self.fenced.items()
+                if gid not in self.members and f.last_acked_version < 0 and now - f.fenced_at > expiry_s]
+        for gid in gone:
+            del self.fenced[gid]
         return gone
 
     def acked(self, generator_id: str, version: int) -> bool:

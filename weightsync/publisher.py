@@ -23,6 +23,19 @@ Membership (``names.membership_subject``): ``join`` arrives as a NATS request; t
 generator's pair-group rendezvous, queues a push of the latest snapshot (so a late joiner catches up at once), and
 replies with the latest ``PolicyVersion`` (``version=-1`` if none was pushed by this trainer yet). ``heartbeat``
 keeps a member alive, ``leave`` removes it; a member silent for ``member_timeout_s`` is dropped.
+
+Hostile or broken input never stops a round or the trainer (each refusal is counted and dead-lettered with its
+subject as the source and the reason):
+
+* a join with an id that is not ``topics.names.valid_member_id``, or beyond ``max_members``, is refused;
+* rounds wait only for *confirmed* members (``members.py``): a join that never completes the handshake is dropped
+  after ``handshake_timeout_s`` and costs no round its ack deadline;
+* an ack for a version this trainer never published, or from a generator that is not a member, is refused;
+* the trainer owns the ``latest`` key: when its compare-and-set fails because the value there does not decode, or
+  is an older version written by someone else, that value is dead-lettered (``kv:<bucket>/latest``) and the key
+  rewritten from the trainer's state; only the same or a newer version written by another trainer (this one is a
+  zombie) stops it (``StaleWriter``). A restarted trainer reads past a bad value the same way.
+* a failed write of the fencing record is retried (next round, and in the background) and counted, never dropped.
 """
 
 from __future__ import annotations
@@ -42,8 +55,8 @@ import orjson
 import torch
 
 from topics import codec
-from topics.errors import CodecError, ConfigError, StaleWriter, StreamforgeError
-from topics.names import Names
+from topics.errors import CodecError, ConfigError, InvalidMessage, StaleWriter, StreamforgeError
+from topics.names import MAX_MEMBER_ID, Names, valid_member_id
 from topics.nats import OnBadMessage, PolicyStore, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
 from weightsync.collective import Rendezvous, device_of, nccl_usable, release, send_push, trainer_pair
@@ -115,6 +128,7 @@ class WeightPublisher:
         self._subs: list[Any] = []
         self._detached: dict[str, _Pair] = {}  # pairs of members expired for silence, kept in case they are alive
         self._bg: set[asyncio.Task] = set()
+        self._fence_dirty = False  # the last write of the fencing record failed: retried
         self._started = False
         self._stopped = False
 
@@ -139,7 +153,7 @@ class WeightPublisher:
             raise ConfigError("weightsync.transport", f"{self.transport} needs a CUDA device and a torch built with NCCL")
         self._started = True
         await self.store.start()
-        pv, self._rev = await self.store.latest()
+        pv, self._rev = await self.store.latest_good(on_bad=self._bad_latest)
         self.latest_version = pv.version if pv is not None else -1
         self.registry.latest_version = self.latest_version
         self.registry.load_fenced(await self.store.get(FENCED_KEY))
@@ -239,10 +253,14 @@ class WeightPublisher:
                 self.registry.fence(m.generator_id, version, now=now, last_acked=m.acked_version)
                 if isinstance(m.state, _Pair) and not m.state.broken:
                     self._detached[m.generator_id] = m.state  # re-attached if it turns out to be alive
-            # Every member is expected to ack. A member without a working pair group (it joined before any
-            # collective version existed, or its pair broke) joins on this notification and gets the snapshot
-            # pushed at once; a dead one is fenced at the deadline and expires from the membership later.
-            targets = list(self.registry.members.values())
+            self._expire_unconfirmed(now)
+            for gid in self.registry.expire_fences(self.cfg.fence_expiry_s, now=now):
+                log.info("fencing record: %s never acked and is gone: forgotten", gid)
+                self.counters["fences_expired"] += 1
+            # Every confirmed member is expected to ack. A member without a working pair group (its pair broke)
+            # joins on this notification and gets the snapshot pushed at once; a dead one is fenced at the
+            # deadline and expires from the membership later. Unconfirmed ones get the push, nobody waits for them.
+            targets = [m for m in self.registry.members.values() if m.confirmed]
             self._round_version = version
             self._round_acks = {}
             self._waiting = {m.generator_id for m in targets if not self.registry.acked(m.generator_id, version)}
@@ -254,7 +272,7 @@ class WeightPublisher:
             self._latest_pv = pv
             if self.collective:
                 self._latest = snapshot
-                for m in targets:
+                for m in self.registry.members.values():
                     if self._reachable(m):
                         sends[m.generator_id] = (m.state, self._queue_push(m.state, m.generator_id, snapshot))
                 # best effort to members expired for silence: a starved but live one still gets the version (its
@@ -264,6 +282,8 @@ class WeightPublisher:
                     fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_detached_push_done(gid, pair, f))
         for gid, (pair, fut) in sends.items():
             fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_push_done(gid, version, pair, f))
+        if self._fence_dirty:  # a failed write of an earlier round: retried now
+            await self._write_fenced()
         try:
             await asyncio.wait_for(self._acks_done.wait(), self.cfg.ack_deadline_s)
         except TimeoutError:
@@ -337,7 +357,16 @@ class WeightPublisher:
             if self.on_bad is not None:
                 await self.on_bad(msg.subject, bytes(msg.data), exc)
             return
-        log.debug("membership %s from %s (version %d)", mem.event, mem.generator_id, mem.version)
+        log.debug("membership %s from %s (version %d)", mem.event, mem.generator_id[:MAX_MEMBER_ID],
+                  mem.version)
+        refusal = self._refuse_membership(mem)
+        if refusal:
+            self.counters["refused_joins"] += 1
+            if self.counters["refused_joins"] <= 10 or self.counters["refused_joins"] % 1000 == 0:
+                log.warning("membership refused (%d so far): %s", self.counters["refused_joins"], refusal)
+            if self.on_bad is not None:
+                await self.on_bad(msg.subject, bytes(msg.data), InvalidMessage(refusal))
+            return
         async with self._lock:
             previous = self.registry.members.get(mem.generator_id)
             old_state = previous.state if previous is not None else self._detached.get(mem.generator_id)
@@ -354,6 +383,8 @@ class WeightPublisher:
             if mem.event != "join" or m is None:
                 if m is not None and m.state is None and isinstance(old_state, _Pair):
                     m.state = old_state  # a member that was expired for silence, back with its pair intact
+                    group = old_state.group
+                    m.confirmed = group is not None and group.done() and group.exception() is None
                 return
             log.info("generator %s joined (pid %d, version %d)", mem.generator_id, mem.pid, mem.version)
             if isinstance(old_state, _Pair):
@@ -364,6 +395,9 @@ class WeightPublisher:
                 pair = _Pair(session=m.session)
                 pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s,
                                                   backend=self.transport, device=self._pair_device())
+                loop = asyncio.get_running_loop()
+                pair.group.add_done_callback(lambda f, gid=m.generator_id, pair=pair: loop.call_soon_threadsafe(
+                    self._on_pair_ready, gid, pair, f))
                 m.state = pair
                 if self._latest is not None and self._latest.version > mem.version:
                     fut = self._queue_push(pair, m.generator_id, self._latest)
@@ -387,6 +421,14 @@ class WeightPublisher:
             if self.on_bad is not None:
                 await self.on_bad(msg.subject, bytes(msg.data), exc)
             return
+        refusal = self._refuse_ack(ack)
+        if refusal:
+            self.counters["refused_acks"] += 1
+            if self.counters["refused_acks"] <= 10 or self.counters["refused_acks"] % 1000 == 0:
+                log.warning("ack refused (%d so far): %s", self.counters["refused_acks"], refusal)
+            if self.on_bad is not None:
+                await self.on_bad(msg.subject, bytes(msg.data), InvalidMessage(refusal))
+            return
         unfenced = self.registry.on_ack(ack)
         if unfenced:
             log.info("generator %s caught up at version %d: unfenced", ack.generator_id, ack.version)
@@ -402,6 +444,48 @@ class WeightPublisher:
                 self._fence(ack.generator_id, ack.version)
             self._done_waiting(ack.generator_id)
 
+    def _refuse_membership(self, mem: Membership) -> str:
+        """Why a membership message is refused, or ''."""
+        if not valid_member_id(mem.generator_id):
+            return (f"generator id {mem.generator_id[:40]!r}... ({len(mem.generator_id)} characters) is not 1 to "
+                    f"{MAX_MEMBER_ID} letters, digits and . _ : @ -")
+        if (mem.event != "leave" and mem.generator_id not in self.registry.members
+                and len(self.registry.members) >= self.cfg.max_members):
+            return (f"{mem.event} of {mem.generator_id!r}: already weightsync.max_members {self.cfg.max_members} "
+                    "members")
+        return ""
+
+    def _refuse_ack(self, ack: VersionAck) -> str:
+        """Why an ack is refused, or '': a version this trainer never published, or not from a member."""
+        if ack.version > self.latest_version:
+            return (f"ack from {ack.generator_id[:MAX_MEMBER_ID]!r} for version {ack.version}, never published "
+                    f"(latest {self.latest_version})")
+        if ack.generator_id not in self.registry.members:
+            return f"ack from {ack.generator_id[:MAX_MEMBER_ID]!r}, which is not a member"
+        return ""
+
+    def _on_pair_ready(self, gid: str, pair: _Pair, fut: Future) -> None:
+        """A member's pair group came up (in the event loop): its handshake is done, it is confirmed."""
+        m = self.registry.members.get(gid)
+        if m is not None and m.state is pair and not fut.cancelled() and fut.exception() is None:
+            m.confirmed = True
+
+    def _expire_unconfirmed(self, now: float) -> None:
+        for m in self.registry.expire_unconfirmed(self.cfg.handshake_timeout_s, now=now):
+            log.warning("generator %s joined %.1f s ago without completing the handshake: dropped", m.generator_id,
+                        now - m.joined_at)
+            self.counters["handshake_timeouts"] += 1
+            self._waiting.discard(m.generator_id)
+            if isinstance(m.state, _Pair):
+                m.state.close()
+
+    async def _bad_latest(self, source: str, value: bytes, exc: CodecError) -> None:
+        """A value of ``latest`` this trainer did not write and cannot use: counted and dead-lettered."""
+        self.counters["bad_latest"] += 1
+        log.warning("the policy store's latest value is not this trainer's (%s): it will be rewritten", exc)
+        if self.on_bad is not None:
+            await self.on_bad(source, value, exc)
+
     def _done_waiting(self, gid: str) -> None:
         self._waiting.discard(gid)
         if not self._waiting:
@@ -414,34 +498,82 @@ class WeightPublisher:
         self.registry.fence(gid, version)
 
     async def _store_version(self, pv: PolicyVersion) -> int:
-        """Compare-and-set ``pv`` into the KV store, riding out a NATS outage: each attempt is bounded by
-        ``timeout_s``; a timed-out attempt may still land when the server comes back, so a later ``StaleWriter``
-        whose latest value is this very version (and trainer) counts as success. A real stale writer still raises."""
-        delay, timed_out = 0.5, False
+        """Compare-and-set ``pv`` into the KV store. The trainer owns the key (module docstring): when the set
+        fails, the value there decides. This trainer's own earlier write of ``pv`` (an attempt that timed out
+        during a NATS outage, then landed) is success; a value that does not decode, or an older or equal version
+        written by someone else, is dead-lettered and overwritten (compare-and-set on its revision); a newer
+        version from another trainer raises ``StaleWriter``. Each attempt is bounded by ``timeout_s``; an
+        unreachable store is retried with backoff."""
+        delay = 0.5
         while True:
             try:
                 return await asyncio.wait_for(self.store.publish(pv, expected_revision=self._rev), self.cfg.timeout_s)
             except StaleWriter:
-                if not timed_out:
-                    raise
-                latest, rev = await asyncio.wait_for(self.store.latest(), self.cfg.timeout_s)
-                if latest is not None and latest.version == pv.version and latest.trainer_id == pv.trainer_id:
+                value, rev = await asyncio.wait_for(self.store.entry(self.names.LATEST_KEY), self.cfg.timeout_s)
+                verdict = await self._after_failed_set(pv, value, rev)
+                if verdict == "ours":
                     return rev
-                raise
+                if verdict == "stale":
+                    raise
+                self._rev = rev  # "overwrite": compare-and-set again, on the revision found there
             except (TimeoutError, nats.errors.Error, OSError) as exc:
-                timed_out = True
                 self.counters["kv_failures"] += 1
                 log.warning("version %d: the policy store is unreachable (%s: %s); retrying in %.1f s",
                             pv.version, type(exc).__name__, exc, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
+    async def _after_failed_set(self, pv: PolicyVersion, value: bytes | None, rev: int) -> str:
+        """What the value at revision ``rev`` means for ``pv`` after a failed compare-and-set (``_store_version``):
+        ``"ours"`` (this very write had landed), ``"overwrite"`` (dead-lettered; write ``pv`` on ``rev``) or
+        ``"stale"`` (a newer version of another trainer)."""
+        if value is None:
+            return "overwrite"  # deleted or purged: ours to write again
+        try:
+            there = codec.decode(value, expect=PolicyVersion)
+        except CodecError as exc:
+            await self._bad_latest(self.store.latest_source, value, exc)
+            return "overwrite"
+        if there.trainer_id == pv.trainer_id and there.version == pv.version:
+            return "ours"
+        if there.trainer_id != pv.trainer_id and there.version >= pv.version:
+            log.error("version %d: trainer %r already published version %d: this trainer is stale", pv.version,
+                      there.trainer_id, there.version)
+            return "stale"
+        await self._bad_latest(self.store.latest_source, value, InvalidMessage(
+            f"version {there.version} of {there.trainer_id!r} at revision {rev}, not written by this trainer"))
+        return "overwrite"
+
     async def _write_fenced(self) -> None:
+        """Write the fencing record; a failure is counted, reported and retried (the next round, and a background
+        retry with backoff), never silently left stale."""
         try:
             await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.cfg.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - never fail a round on the bookkeeping write; it is retried next round
+        except Exception as exc:  # noqa: BLE001 - never fail a round on the bookkeeping write; it is retried
             self.counters["kv_failures"] += 1
-            log.warning("could not write the fencing record: %s", exc)
+            self.counters["fence_write_failures"] += 1
+            _metric("weightsync/fence_write_failures", self.counters["fence_write_failures"])
+            log.error("could not write the fencing record (%d bytes, %d fenced): %s; retrying",
+                      len(self.registry.fenced_json()), len(self.registry.fenced), exc)
+            if not self._fence_dirty:
+                self._fence_dirty = True
+                self._spawn(self._retry_fenced())
+            return
+        self._fence_dirty = False
+
+    async def _retry_fenced(self) -> None:
+        delay = 0.5
+        while self._fence_dirty and not self._stopped:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+            self._fence_dirty = False  # _write_fenced sets it again on failure, without a second retry task
+            try:
+                await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.cfg.timeout_s)
+                log.info("fencing record written after a retry")
+            except Exception as exc:  # noqa: BLE001 - retried until it lands or the publisher stops
+                self._fence_dirty = True
+                self.counters["fence_write_failures"] += 1
+                log.warning("fencing record retry failed: %s", exc)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

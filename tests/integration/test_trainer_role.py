@@ -133,9 +133,8 @@ async def test_a_batch_too_stale_when_its_turn_comes_is_dropped_and_counted(run_
     versions, batches sampled at version 0 are refused (dead-lettered as ``stale``, counted), a fresh one trains."""
     import dataclasses
 
-    from streamforge.staleness import StalenessConfig
-
     from streamforge.roles import build_role
+    from streamforge.staleness import StalenessConfig
 
     cfg = dataclasses.replace(run_config, staleness=StalenessConfig(max_versions=2))
     cfg.model.path = str(tiny_dir)

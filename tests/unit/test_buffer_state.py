@@ -286,10 +286,10 @@ def test_each_cut_batch_is_checked_against_the_lag_it_will_have():
 
 def test_future_versions_follow_the_trainers_progress():
     """The buffer's count of the versions a trainer may still publish before a batch cut now trains."""
+    import collections
+
     from buffer.service import BufferRole
     from topics.schemas import TrainerProgress
-
-    import collections
 
     role = object.__new__(BufferRole)  # only the fields _future_versions reads
     role.latest_version, role.trained_steps, role.published_step, role.progress = 7, 10, 9, None

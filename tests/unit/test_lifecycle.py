@@ -80,7 +80,7 @@ async def test_a_crashed_loop_stops_the_service_with_a_clear_error() -> None:
 
 
 async def test_a_loop_that_ignores_its_cancellation_does_not_hang_the_stop(monkeypatch, caplog) -> None:
-    import runtime.lifecycle as lifecycle
+    from runtime import lifecycle
 
     monkeypatch.setattr(lifecycle, "CANCEL_TIMEOUT_S", 0.3)
 
@@ -126,19 +126,26 @@ async def test_a_loop_that_returns_is_a_crash() -> None:
 
 
 SCRIPT = textwrap.dedent("""
-    import asyncio, gc, sys
+    import asyncio, gc, sys, threading, time
+    import runtime.lifecycle as lifecycle
     from runtime.lifecycle import Service, run_service
+
+    lifecycle.CRASH_EXIT_S = 2.0
 
     class Slow(Service):
         name = "slow"
         drain_timeout_s = float(sys.argv[2])
         def loops(self):
             return {"work": self.work()}
+        async def _stop(self):
+            if sys.argv[1] == "crash-hang":  # a collective that never returns, and a thread nobody can join
+                threading.Thread(target=time.sleep, args=(600,), daemon=False).start()
+                await asyncio.sleep(600)
         async def work(self):
             print("ready", flush=True)
             print(f"frozen {gc.get_freeze_count()}", flush=True)
             while True:
-                if sys.argv[1] == "crash":
+                if sys.argv[1].startswith("crash"):
                     raise RuntimeError("loop failed")
                 await asyncio.sleep(0.05)
         async def drain(self):
@@ -156,7 +163,7 @@ def _spawn(tmp_path: Path, mode: str, drain_timeout: float, drain_time: float) -
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen([sys.executable, str(script), mode, str(drain_timeout), str(drain_time)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    if mode != "crash":
+    if not mode.startswith("crash"):
         assert proc.stdout.readline().strip() == "ready"
         frozen = proc.stdout.readline().split()
         assert frozen[0] == "frozen" and int(frozen[1]) > 1000, frozen  # run_service froze the started heap
@@ -195,3 +202,13 @@ def test_crashed_loop_exits_one_with_message(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=20)
     assert proc.returncode == 1
     assert "loop 'work' stopped unexpectedly" in err and "loop failed" in err
+
+
+def test_a_crashed_role_that_cannot_stop_still_exits_within_the_bound(tmp_path: Path) -> None:
+    """Its stop hangs and a non-daemon thread would block the interpreter's exit: the crash's timer ends it."""
+    t0 = time.monotonic()
+    proc = _spawn(tmp_path, "crash-hang", 5.0, 0.0)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "loop 'work' stopped unexpectedly" in err
+    assert "exiting now" in err
+    assert time.monotonic() - t0 < 2.0 + 8  # CRASH_EXIT_S (2 s here) and the interpreter's start
