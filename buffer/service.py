@@ -260,17 +260,19 @@ class BufferRole(Service):
         trainer are those published beyond it. Waits on the KV watch; runs until cancelled."""
         assert self.store is not None
         async for progress in self.store.watch_progress(on_bad=self._dead_letter_value):
-            if self.progress is None or progress.step >= self.progress.step:
-                self.progress = progress
-                self._progress_seen.append((progress.step, progress.version))
-            await self._trainer_moved(progress.step)
+            consumed_more = self.progress is None or progress.consumed > self.progress.consumed
+            if self.progress is not None and progress.step < self.progress.step:  # a restarted trainer
+                self._progress_seen.clear()
+            self.progress = progress
+            self._progress_seen.append((progress.step, progress.version))
+            await self._trainer_moved(progress.step, force=consumed_more)
         raise RuntimeError("the trainer-progress watch ended")
 
-    async def _trainer_moved(self, step: int) -> None:
-        """The trainer has trained ``step`` steps. When that is news and batches were held back by
-        ``max_batches_ahead``, decide at once (under the loop's lock) instead of waiting for the consume loop's next
-        fetch to end: the trainer waits for that batch."""
-        moved = step > self.trained_steps
+    async def _trainer_moved(self, step: int, *, force: bool = False) -> None:
+        """The trainer has trained ``step`` steps (or consumed more, ``force``). When that is news and batches were
+        held back by ``max_batches_ahead``, decide at once (under the loop's lock) instead of waiting for the
+        consume loop's next fetch to end: the trainer waits for that batch."""
+        moved = step > self.trained_steps or force
         self.trained_steps = max(self.trained_steps, step)
         if moved and self.cfg.max_batches_ahead > 0 and self.state.has_ready() and not self._draining:
             async with self._lock:
@@ -339,9 +341,12 @@ class BufferRole(Service):
         return f, reference
 
     def batches_ahead(self) -> int:
-        """Batches published (acknowledged or in flight) beyond the trainer's latest published step."""
+        """Batches published (acknowledged or in flight) and not consumed by the trainer yet: beyond the records it
+        consumed (its progress: trained, refused or skipped alike), else beyond its latest trained step."""
         inflight = sum(1 for d, _ in self._inflight if d.kind == "batch")
-        return sum(self._batch_hw.values()) + inflight - self.trained_steps
+        p = self.progress
+        consumed = p.consumed if p is not None and p.consumed >= 0 else self.trained_steps
+        return sum(self._batch_hw.values()) + inflight - consumed
 
     async def _decide(self, *, final: bool) -> None:
         room, future, reference = None, None, None

@@ -287,6 +287,7 @@ class TrainerRole(Service):
                 log.info("batch %s was already trained: skipped", batch.batch_id)
                 for rec in records:
                     self.source.advance(rec)
+                self._report_progress()
                 continue
             again = self.trained_episodes.trained(batch.episode_ids) if self.cfg.mode == "rl" else {}
             problem = self._unusable(batch) if not again else (
@@ -303,6 +304,7 @@ class TrainerRole(Service):
                 for rec in records:
                     await self.source.dead_letters.send(rec, reason=reason, detail=problem)
                     self.source.advance(rec)
+                self._report_progress()  # the buffers count what is queued for the trainer from what it consumed
                 continue
             self._idle.clear()
             try:
@@ -403,8 +405,9 @@ class TrainerRole(Service):
         newest wins); a failed one is logged and the next step's replaces it."""
         if self.publisher is None:
             return
+        consumed = sum(self.source.offsets.values()) if self.source is not None else -1
         self._progress_due = TrainerProgress(step=self.step, version=self.version,
-                                             published_step=self._published_step,
+                                             published_step=self._published_step, consumed=consumed,
                                              publish_every=self.cfg.publish_every, trainer_id=self.trainer_id)
         if self._progress_task is None or self._progress_task.done():
             self._progress_task = asyncio.ensure_future(self._write_progress())

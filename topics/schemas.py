@@ -213,6 +213,7 @@ class TrainerProgress:
     version: int  # the policy version it trains with (its latest publication, in flight or done)
     published_step: int = 0  # the step that publication covers: steps after it are not published yet
     publish_every: int = 1  # trainer.publish_every: at most one version per this many steps
+    consumed: int = -1  # records of the batches topic it has consumed (trained, refused, skipped); -1 = unknown
     trainer_id: str = ""
     created_at: float = field(default_factory=_now)
 

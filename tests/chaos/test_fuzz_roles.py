@@ -157,7 +157,7 @@ async def test_buffer_survives_ten_thousand_bad_episodes(run_config) -> None:
     from streamforge.audit import run_audit
     from streamforge.roles import build_role
 
-    cfg = with_section(run_config, "buffer", groups_per_batch=2, max_batch_wait_s=0.5)
+    cfg = with_section(run_config, "buffer", groups_per_batch=2, max_batch_wait_s=0.5, max_batches_ahead=0)  # no trainer
     role_cfg = with_section(cfg, "kafka", max_message_bytes=ROLE_MAX_BYTES)
     good = [e for g in range(4) for e in make_group(f"good{g}", 4)]
     bad = hostile(good[0], N, seed=1, nan_field="reward")

@@ -78,3 +78,40 @@ def test_buffer_drop_rule_for_fenced_generators():
     assert drop_for_fence(fenced, "g1", 5)  # sampled with a version it never acknowledged
     assert not drop_for_fence(fenced, "g1", 4)
     assert not drop_for_fence(fenced, "g2", 9)  # not fenced
+
+
+def test_a_join_without_a_handshake_is_dropped_and_an_ack_confirms():
+    reg = Registry(member_timeout_s=100)
+    reg.on_membership(_m("real", "join"), now=0.0)
+    reg.on_membership(_m("fake", "join"), now=0.0)
+    reg.on_ack(VersionAck(generator_id="real", version=0), now=1.0)  # the file transport's handshake: an ack
+    assert reg.members["real"].confirmed and not reg.members["fake"].confirmed
+    assert reg.expire_unconfirmed(5.0, now=3.0) == []  # still within the handshake timeout
+    gone = reg.expire_unconfirmed(5.0, now=6.0)
+    assert [m.generator_id for m in gone] == ["fake"] and set(reg.members) == {"real"}
+    reg.on_membership(_m("real", "join", pid=2), now=7.0)  # a new join needs a new handshake
+    assert not reg.members["real"].confirmed
+
+
+def test_fences_of_gone_generators_that_never_acked_expire():
+    reg = Registry()
+    reg.on_membership(_m("kept", "join"), now=0.0)
+    reg.fence("kept", 3, now=0.0)  # still a member
+    reg.fence("acked-once", 3, now=0.0, last_acked=2)  # gone, but it did ack: its old episodes stay fenced
+    reg.fence("never", 3, now=0.0, last_acked=-1)
+    assert reg.expire_fences(60.0, now=30.0) == []
+    assert reg.expire_fences(60.0, now=61.0) == ["never"]
+    assert set(reg.fenced) == {"kept", "acked-once"}
+
+
+def test_member_ids_are_bounded():
+    from topics.names import MAX_MEMBER_ID, valid_member_id
+
+    assert valid_member_id("generator-0") and valid_member_id("host-1:42@pod.ns") and valid_member_id("a" * 128)
+    assert MAX_MEMBER_ID == 128 and not valid_member_id("a" * 129)
+    for bad in ("", "-lead", "has space", "semi;colon", "x" * 30_000, "ünïcode"):
+        assert not valid_member_id(bad), bad
+    with pytest.raises(ConfigError, match="generator.generator_id"):
+        from producers.config import GeneratorConfig
+
+        GeneratorConfig(generator_id="x" * 200)
