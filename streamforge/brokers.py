@@ -118,7 +118,7 @@ async def _quiet(exc: Exception) -> None:
     """nats-py logs every failed connect attempt through its error callback; readiness polling expects them."""
 
 
-def _death_signal(sig: int) -> Callable[[], None] | None:
+def death_signal(sig: int) -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child receive ``sig`` when its parent dies (Linux ``prctl``); None
     elsewhere. libc is loaded here, before the fork, so the child only makes the call."""
     if not sys.platform.startswith("linux"):
@@ -185,7 +185,7 @@ class EmbeddedBrokers:
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})}, start_new_session=True,
                 # the child only calls prctl through a libc handle loaded before the fork: it takes no lock
-                preexec_fn=_death_signal(signal.SIGKILL) if self.die_with_parent else None,  # noqa: PLW1509
+                preexec_fn=death_signal(signal.SIGKILL) if self.die_with_parent else None,  # noqa: PLW1509
             )
         self._procs[name] = proc
         return proc

@@ -13,7 +13,8 @@ did not finish. First SIGINT/SIGTERM: graceful stop of everything; second: kill.
 
 Each role runs in a process group of its own. A role's children (vLLM's engine core and workers, torchrun's
 ranks) stay in that group even when the role's main process dies and they are re-parented: before ``up``
-restarts a role, and when it exits, it kills the role's whole group and waits until nothing of it is left, so a
+restarts a role, and when it exits, it kills the role's whole group and waits until nothing of it is left (and if
+``up`` itself is killed, each role gets SIGTERM from the kernel: a Linux death signal), so a
 crashed generator's 2.5 GiB engine never outlives it.
 
 Several generators on one CPU host: vLLM's CPU engine binds its OpenMP threads to the same cores in every process
@@ -39,6 +40,7 @@ from typing import Any
 
 import orjson
 
+from streamforge.brokers import death_signal
 from streamforge.config import dump_config
 
 log = logging.getLogger("streamforge.up")
@@ -58,8 +60,10 @@ class Child:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:  # the child holds its own copy of the descriptor
+            # the role gets SIGTERM (it drains and stops its own children) if up itself dies without stopping it
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env={**os.environ, **self.env} if self.env else None)
+                                         start_new_session=True, env={**os.environ, **self.env} if self.env else None,
+                                         preexec_fn=death_signal(signal.SIGTERM))  # noqa: PLW1509 - prctl only
         self.started_at = time.time()
 
     def poll(self) -> int | None:
