@@ -37,8 +37,8 @@ class WeightSyncConfig:
     join_timeout_s: float = 10.0  # a generator's join request (the trainer answers after starting its rendezvous)
     heartbeat_s: float = 2.0  # generator membership heartbeat period
     member_timeout_s: float = 10.0  # a generator silent for this long is dropped from the membership
-    # a joined generator must complete the weight-transfer handshake (its pair group; with the file transport its
-    # first ack) within this long, or it is dropped: rounds wait only for members that did
+    # a joined generator must complete the weight-transfer handshake (its pair group; the file transport has none,
+    # its join is enough) within this long, or it is dropped: a round waits for an unconfirmed member at most this long
     handshake_timeout_s: float = 15.0
     max_members: int = 256  # joins beyond this many members are refused (dead-lettered)
     # a fenced generator that is no longer a member and never acked a version leaves the fencing record after this

@@ -2,9 +2,11 @@
 
 A generator is a *member* from its ``join`` until its ``leave`` or until it has been silent (no join, heartbeat or
 ack) for ``member_timeout_s``. A member is *confirmed* once it completed the weight-transfer handshake (its pair
-group came up; with the file transport, its first ack); one that does not within ``handshake_timeout_s`` of its
-join is dropped (``expire_unconfirmed``). Every publication round expects an ack of the new version from every
-confirmed member; a member that does not ack by the deadline (or whose transfer failed, or that went silent) is
+group came up; with the file transport, which has no handshake, its join); one that does not within ``handshake_timeout_s`` of its
+join (or, for one known from its heartbeats, of the first one) is dropped (``expire_unconfirmed``), and its
+heartbeats are ignored until it joins again. Every publication round expects an ack of the new version from every
+member, waiting for an unconfirmed one only until its handshake time is up, so a fake or half-dead joiner costs a
+round at most ``handshake_timeout_s``, never the ack deadline; a member that does not ack by the deadline (or whose transfer failed, or that went silent) is
 *fenced*. A fenced generator that is no longer a member and never acked anything leaves the record after
 ``fence_expiry_s`` (``expire_fences``): ids are bounded (``topics.names.valid_member_id``) and members capped, so
 the record stays far below NATS's payload limit.
@@ -64,6 +66,9 @@ class Registry:
     members: dict[str, Member] = field(default_factory=dict)
     fenced: dict[str, Fence] = field(default_factory=dict)
     latest_version: int = -1
+    # ids dropped for an incomplete handshake: their heartbeats are ignored until they join again (bounded)
+    failed_handshakes: dict[str, float] = field(default_factory=dict)
+    max_failed: int = 256
 
     @staticmethod
     def session_of(msg: Membership) -> str:
@@ -78,8 +83,11 @@ class Registry:
             return None
         m = self.members.get(msg.generator_id)
         if m is None:
+            if msg.event != "join" and msg.generator_id in self.failed_handshakes:
+                return None  # dropped for its handshake: only a new join makes it a member again
             m = self.members[msg.generator_id] = Member(msg.generator_id, joined_at=now)
         if msg.event == "join":
+            self.failed_handshakes.pop(msg.generator_id, None)
             m.session = self.session_of(msg)
             m.joined_at = now
             m.host, m.pid = msg.host, msg.pid
@@ -117,6 +125,9 @@ class Registry:
         gone = [m for m in self.members.values() if not m.confirmed and now - m.joined_at > timeout_s]
         for m in gone:
             del self.members[m.generator_id]
+            self.failed_handshakes[m.generator_id] = now
+        while len(self.failed_handshakes) > self.max_failed:
+            del self.failed_handshakes[next(iter(self.failed_handshakes))]
         return gone
 
     def expire_fences(self, expiry_s: float, *, now: float | None = None) -> list[str]:

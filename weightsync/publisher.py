@@ -28,8 +28,8 @@ Hostile or broken input never stops a round or the trainer (each refusal is coun
 subject as the source and the reason):
 
 * a join with an id that is not ``topics.names.valid_member_id``, or beyond ``max_members``, is refused;
-* rounds wait only for *confirmed* members (``members.py``): a join that never completes the handshake is dropped
-  after ``handshake_timeout_s`` and costs no round its ack deadline;
+* a round waits for a member whose handshake is not done (``members.py``) only until its ``handshake_timeout_s``
+  is up, then drops it: a join that never completes the handshake costs no round its ack deadline;
 * an ack for a version this trainer never published, or from a generator that is not a member, is refused;
 * the trainer owns the ``latest`` key: when its compare-and-set fails because the value there does not decode, or
   is an older version written by someone else, that value is dead-lettered (``kv:<bucket>/latest``) and the key
@@ -257,10 +257,11 @@ class WeightPublisher:
             for gid in self.registry.expire_fences(self.cfg.fence_expiry_s, now=now):
                 log.info("fencing record: %s never acked and is gone: forgotten", gid)
                 self.counters["fences_expired"] += 1
-            # Every confirmed member is expected to ack. A member without a working pair group (its pair broke)
-            # joins on this notification and gets the snapshot pushed at once; a dead one is fenced at the
-            # deadline and expires from the membership later. Unconfirmed ones get the push, nobody waits for them.
-            targets = [m for m in self.registry.members.values() if m.confirmed]
+            # Every member is expected to ack. A member without a working pair group (its pair broke, or it is
+            # known from its heartbeats only) joins on this notification and gets the snapshot pushed at once; a
+            # dead one is fenced at the deadline and expires from the membership later. One whose handshake is not
+            # done is waited for only until its handshake time is up (then it is dropped, not fenced).
+            targets = list(self.registry.members.values())
             self._round_version = version
             self._round_acks = {}
             self._waiting = {m.generator_id for m in targets if not self.registry.acked(m.generator_id, version)}
@@ -284,9 +285,7 @@ class WeightPublisher:
             fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_push_done(gid, version, pair, f))
         if self._fence_dirty:  # a failed write of an earlier round: retried now
             await self._write_fenced()
-        try:
-            await asyncio.wait_for(self._acks_done.wait(), self.cfg.ack_deadline_s)
-        except TimeoutError:
+        if not await self._wait_for_acks():
             late = sorted(self._waiting)
             log.warning("version %d: no ack within %.1f s from %s: fencing", version, self.cfg.ack_deadline_s, late)
             self.counters["ack_timeouts"] += len(late)
@@ -301,6 +300,25 @@ class WeightPublisher:
         self._provenance(pv, snapshot, targets=[m.generator_id for m in targets], round_s=round_s,
                          snapshot_s=snapshot_s)
         return pv
+
+    async def _wait_for_acks(self) -> bool:
+        """Waits for the round's acks until ``ack_deadline_s``; an unconfirmed member is waited for only until its
+        handshake time is up, then dropped. Returns whether every awaited member acked."""
+        deadline = time.monotonic() + self.cfg.ack_deadline_s
+        while not self._acks_done.is_set():
+            wake = deadline - time.monotonic()
+            if wake <= 0:
+                return False
+            pending = [m.joined_at for gid in self._waiting
+                       if (m := self.registry.members.get(gid)) is not None and not m.confirmed]
+            if pending:
+                wake = min(wake, max(0.05, min(pending) + self.cfg.handshake_timeout_s - time.time() + 0.01))
+            try:
+                await asyncio.wait_for(self._acks_done.wait(), wake)
+            except TimeoutError:
+                async with self._lock:
+                    self._expire_unconfirmed(time.time())
+        return True
 
     # -- transport --------------------------------------------------------------------------------
     def _reachable(self, m: Member) -> bool:
@@ -372,6 +390,8 @@ class WeightPublisher:
             old_state = previous.state if previous is not None else self._detached.get(mem.generator_id)
             self._detached.pop(mem.generator_id, None)
             m = self.registry.on_membership(mem)
+            if m is not None and not self.collective:
+                m.confirmed = True  # the file transport has no handshake: a join or heartbeat is the whole of it
             if mem.event == "leave":
                 log.info("generator %s left", mem.generator_id)
                 self._waiting.discard(mem.generator_id)
@@ -475,7 +495,8 @@ class WeightPublisher:
             log.warning("generator %s joined %.1f s ago without completing the handshake: dropped", m.generator_id,
                         now - m.joined_at)
             self.counters["handshake_timeouts"] += 1
-            self._waiting.discard(m.generator_id)
+            if m.generator_id in self._waiting:
+                self._done_waiting(m.generator_id)
             if isinstance(m.state, _Pair):
                 m.state.close()
 
@@ -591,8 +612,9 @@ class WeightPublisher:
             f.write(orjson.dumps(line) + b"\n")
 
     def members(self) -> dict[str, dict[str, Any]]:
-        """A status view: every member's acked version and whether it is fenced."""
-        return {gid: {"acked_version": m.acked_version, "last_seen": m.last_seen,
+        """A status view: every member's acked version, whether it completed its handshake (rounds wait only for
+        those) and whether it is fenced."""
+        return {gid: {"acked_version": m.acked_version, "last_seen": m.last_seen, "confirmed": m.confirmed,
                       "fenced": gid in self.registry.fenced,
                       "connected": self._reachable(m) if self.collective else True}
                 for gid, m in self.registry.members.items()}

@@ -84,11 +84,19 @@ def test_a_join_without_a_handshake_is_dropped_and_an_ack_confirms():
     reg = Registry(member_timeout_s=100)
     reg.on_membership(_m("real", "join"), now=0.0)
     reg.on_membership(_m("fake", "join"), now=0.0)
-    reg.on_ack(VersionAck(generator_id="real", version=0), now=1.0)  # the file transport's handshake: an ack
+    reg.on_ack(VersionAck(generator_id="real", version=0), now=1.0)  # an ok ack proves a working transfer
     assert reg.members["real"].confirmed and not reg.members["fake"].confirmed
     assert reg.expire_unconfirmed(5.0, now=3.0) == []  # still within the handshake timeout
     gone = reg.expire_unconfirmed(5.0, now=6.0)
     assert [m.generator_id for m in gone] == ["fake"] and set(reg.members) == {"real"}
+    assert reg.on_membership(_m("fake", "heartbeat"), now=6.5) is None  # its heartbeats do not bring it back
+    assert set(reg.members) == {"real"}
+    reg.on_membership(_m("fake", "join"), now=6.6)  # a new join does, with a new handshake window
+    assert "fake" in reg.members and not reg.members["fake"].confirmed
+    for i in range(reg.max_failed + 10):  # the memory of failed handshakes is bounded
+        reg.on_membership(_m(f"f{i}", "join"), now=10.0)
+    reg.expire_unconfirmed(5.0, now=20.0)
+    assert len(reg.failed_handshakes) == reg.max_failed
     reg.on_membership(_m("real", "join", pid=2), now=7.0)  # a new join needs a new handshake
     assert not reg.members["real"].confirmed
 
