@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,7 +44,7 @@ from consumers.sft import collate_sft
 from models.tiny_model import ensure_model
 from runtime.context import RoleContext
 from runtime.lifecycle import Service
-from topics.errors import ConfigError
+from topics.errors import ConfigError, RoleCrashed
 from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample, TrainerProgress
 from weightsync.config import WeightSyncConfig
@@ -119,9 +120,10 @@ class TrainerRole(Service):
         self.finished_reason = ""
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False) -> None:
+    async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False,
+                    on_crash: Callable[[RoleCrashed], None] | None = None) -> None:
         self._stop_event = stop or asyncio.Event()
-        await super().serve(self._stop_event, freeze_heap=freeze_heap)
+        await super().serve(self._stop_event, freeze_heap=freeze_heap, on_crash=on_crash)
 
     async def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)

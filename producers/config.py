@@ -21,6 +21,10 @@ class GeneratorConfig:
     top_p: float = 1.0  # nucleus sampling
     top_k: int = -1  # top-k sampling (-1 = off)
     max_concurrent_prompts: int = 8  # prompts generating at once
+    # wrap each prompt text in the model's chat template as one user turn (and the generation prompt), as an
+    # instruct model was tuned on; needs a tokenizer with a chat template (checked at start-up)
+    chat_template: bool = False
+    system_prompt: str = ""  # with chat_template: a system turn before the user's (empty = none)
     # take no prompt while the weights are more than this many versions older than the latest published
     # (derived from staleness.max_versions: streamforge/staleness.py)
     max_policy_lag: int = 1
@@ -70,6 +74,8 @@ class GeneratorConfig:
             raise ConfigError("generator.max_concurrent_prompts", "must be at least 1")
         if self.groups_per_step < 0:
             raise ConfigError("generator.groups_per_step", "must be >= 0 (0 = no quota)")
+        if self.system_prompt and not self.chat_template:
+            raise ConfigError("generator.system_prompt", "needs generator.chat_template: true")
         if self.quota_window_steps < 1:
             raise ConfigError("generator.quota_window_steps", "must be at least 1")
         if self.metrics_every_s <= 0:

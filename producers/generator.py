@@ -157,7 +157,8 @@ class GeneratorRole(Service):
             await self.refunds.start()
         checker = PromptChecker(self.tokenizer, max_model_len=getattr(engine, "max_model_len", ctx.model.max_seq_len),
                                 max_tokens=cfg.max_tokens,
-                                vocab_size=lambda: engine.llm.model_config.get_vocab_size())
+                                vocab_size=lambda: engine.llm.model_config.get_vocab_size(),
+                                chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
         pipeline = PromptPipeline(engine=engine, rewards=self.rewards, producer=self.producer, dead=self.dead,
                                   names=self.names, generator_id=self.generator_id, sampling=self.sampling,
                                   group_size=cfg.group_size, stats=self.stats, on_scored=self.backpressure.scored,

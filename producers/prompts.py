@@ -10,25 +10,47 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from topics.errors import ConfigError
 from topics.schemas import Prompt
 
 
 class PromptChecker:
-    """Tokenizes and checks prompts for one engine. ``vocab_size`` is read lazily (0: no vocabulary check)."""
+    """Tokenizes and checks prompts for one engine. ``vocab_size`` is read lazily (0: no vocabulary check).
+
+    With ``chat_template`` the text is one user turn (after a system turn if ``system_prompt``) rendered by the
+    tokenizer's chat template with the generation prompt, as an instruct model was tuned on; a tokenizer without a
+    chat template is a ``ConfigError`` naming ``generator.chat_template`` at construction (the generator's start).
+    """
 
     def __init__(self, tokenizer: Any, *, max_model_len: int, max_tokens: int,
-                 vocab_size: Callable[[], int]) -> None:
+                 vocab_size: Callable[[], int], chat_template: bool = False, system_prompt: str = "") -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.max_tokens = max_tokens
         self._vocab_size = vocab_size
         self._vocab: int | None = None
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("generator.chat_template", "the model's tokenizer has no chat template")
+
+    def render(self, text: str) -> list[int]:
+        """The token ids of a prompt text (through the chat template when it is on)."""
+        if not self.chat_template:
+            return list(self.tokenizer(text)["input_ids"])
+        turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        turns.append({"role": "user", "content": text})
+        ids = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
 
     def tokens(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids: its own ``token_ids`` if it has them, else its text tokenized."""
+        """The prompt's token ids: its own ``token_ids`` if it has them (used as they are), else its text
+        tokenized (``render``)."""
         if len(prompt.token_ids):
             return [int(t) for t in prompt.token_ids]
-        return list(self.tokenizer(prompt.text)["input_ids"])
+        return self.render(prompt.text)
 
     def check(self, prompt: Prompt) -> tuple[list[int], str]:
         """``(tokens, "")`` for a prompt the engine can take, else ``([], why not)``."""

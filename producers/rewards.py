@@ -20,6 +20,10 @@ Builtins (``BUILTINS``):
 * ``exact``: 1.0 if the stripped response equals the stripped ``prompt.answer``.
 * ``length``: ``-min(1, len(response_text) / budget)`` with ``budget = prompt.metadata.get("length_budget", 64)``
   characters: a penalty in [-1, 0] to combine with a small weight.
+* ``answer_format``: 1.0 if the response holds exactly one non-empty ``<answer>...</answer>``, else 0.0 (the format
+  reward TRL users pair with a correctness reward).
+* ``answer``: 1.0 if the content of the response's last ``<answer>...</answer>`` matches ``prompt.answer`` (numbers
+  with the tolerance of ``math``, other answers as normalised strings), else 0.0.
 * ``reasoning_gym``: reasoning-gym's own verifier for the prompt's dataset
   (``prompt.metadata["dataset"]`` and ``["entry"]``, as ``producers.sources`` writes them), applied to the
   ``<answer>...</answer>`` of the response if it has one, else to the whole stripped response.
@@ -141,6 +145,16 @@ def length_penalty(prompt: Prompt, response_text: str) -> float:
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
+def answer_format(prompt: Prompt, response_text: str) -> float:
+    tags = _ANSWER_TAG.findall(response_text)
+    return 1.0 if len(tags) == 1 and tags[0].strip() else 0.0
+
+
+def answer_tag(prompt: Prompt, response_text: str) -> float:
+    tags = _ANSWER_TAG.findall(response_text)
+    return 1.0 if tags and answers_match(tags[-1].strip(), prompt.answer) else 0.0
+
+
 def reasoning_gym_reward(prompt: Prompt, response_text: str) -> float:
     import reasoning_gym
 
@@ -160,6 +174,8 @@ BUILTINS: dict[str, RewardFn] = {
     "exact": exact_match,
     "length": length_penalty,
     "reasoning_gym": reasoning_gym_reward,
+    "answer_format": answer_format,
+    "answer": answer_tag,
 }
 
 

@@ -158,3 +158,21 @@ def test_bad_specs_are_config_errors(spec):
 def test_weights_must_match():
     with pytest.raises(ConfigError, match="reward_weights"):
         RewardSet(["toy", "exact"], [1.0])
+
+
+@pytest.mark.parametrize(
+    ("text", "fmt", "correct"),
+    [
+        ("<answer>85</answer>", 1.0, 1.0),
+        ("The sum is <answer> 85 </answer>.", 1.0, 1.0),
+        ("<answer>84</answer>", 1.0, 0.0),
+        ("<answer>85.0</answer>", 1.0, 1.0),  # numbers compare as numbers
+        ("<answer>1</answer> no, <answer>85</answer>", 0.0, 1.0),  # two tags: not the format; the last one counts
+        ("<answer></answer>", 0.0, 0.0),
+        ("85", 0.0, 0.0),
+        ("<answer>85", 0.0, 0.0),
+    ],
+)
+def test_answer_tag_rewards(text, fmt, correct):
+    assert BUILTINS["answer_format"](P("85"), text) == fmt
+    assert BUILTINS["answer"](P("85"), text) == correct
