@@ -18,8 +18,15 @@ Notation (TRL GRPOTrainer's, whose hyperparameter names and conventions we follo
 * ``token`` (bnpo, dapo, cispo, reinforce, decoupled_ppo): ``L = sum_{i,t} l m / max(1, sum_{i,t} m)``
 * ``const`` (dr_grpo): ``L = sum_{i,t} l m / (B * max_completion_length)``
 
+Defaults are GRPOConfig's (TRL 1.16.0): ``epsilon`` 0.2, ``epsilon_high`` = ``epsilon``, ``beta`` 0,
+``use_bias_correction_kl`` True; where a paper recommends another value, the built-in's docstring says so.
+``tests/unit/test_losses_trl.py`` calls TRL's own ``GRPOTrainer._compute_loss`` on the same tensors.
+
 Shared options for every built-in: ``beta`` adds the k3 estimator of KL(pi || pi_ref) per token,
-``l += beta * (exp(ref - logp) - (ref - logp) - 1)`` (needs ``ref_logprobs``); ``entropy_coef`` subtracts
+``kl = exp(ref - logp) - (ref - logp) - 1``, as ``l += beta * kl`` (needs ``ref_logprobs``); with
+``use_bias_correction_kl`` (the default, as TRL's) ``kl`` is multiplied by the importance ratio ``r`` (with its
+gradient; the row's ``s_i`` at ``level="sequence"``), which makes its gradient the unbiased reverse-KL gradient on
+tokens sampled by the behaviour policy (DeepSeek-V3.2); the ``kl`` metric is that product. ``entropy_coef`` subtracts
 ``entropy_coef * sum(H m) / max(1, sum m)`` (needs ``entropy``); ``off_policy_mask_threshold`` drops rows with
 ``A_i < 0`` whose mean ``old - sg(logp)`` over the mask exceeds it (TRL's off-policy sequence mask, for stale
 episodes); ``ratio_mask_threshold`` (``c > 1``) zeroes the loss of tokens whose ``sg(r)`` lies outside
@@ -253,7 +260,7 @@ class PolicyLoss:
                  entropy_coef: float = 0.0, max_completion_length: int | None = None,
                  off_policy_mask_threshold: float | None = None, sapo_temperature_pos: float = 1.0,
                  sapo_temperature_neg: float = 1.05, is_cap: float = 2.0,
-                 ratio_mask_threshold: float | None = None) -> None:
+                 ratio_mask_threshold: float | None = None, use_bias_correction_kl: bool = True) -> None:
         if epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ConfigError("trainer.loss_args.epsilon", "must be >= 0")
         if delta is not None and delta <= 1.0:
@@ -273,6 +280,7 @@ class PolicyLoss:
         self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
         self.is_cap = is_cap
         self.ratio_mask_threshold = ratio_mask_threshold
+        self.use_bias_correction_kl = use_bias_correction_kl
 
     def _log_weights(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
         if self.level == "token":
@@ -284,7 +292,9 @@ class PolicyLoss:
     def _clipped(self, coef: Tensor, adv: Tensor) -> tuple[Tensor, Tensor]:
         clipped = torch.clamp(coef, 1 - self.epsilon_low, 1 + self.epsilon_high)
         first = torch.clamp(coef, max=self.delta) if self.delta is not None else coef
-        region = ((coef < 1 - self.epsilon_low) & (adv < 0)) | ((coef > 1 + self.epsilon_high) & (adv > 0))
+        # TRL's clip_ratio/region_mean: the high side is read on the delta-capped ratio (never counted if delta
+        # <= 1 + eps_hi)
+        region = ((coef < 1 - self.epsilon_low) & (adv < 0)) | ((first > 1 + self.epsilon_high) & (adv > 0))
         return -torch.min(first * adv, clipped * adv), region
 
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
@@ -300,7 +310,7 @@ class PolicyLoss:
             per_token, region = self._clipped(coef, adv)
         elif self.objective == "cispo":
             per_token = -torch.clamp(coef, max=self.epsilon_high).detach() * adv * logprobs
-            region = (coef > self.epsilon_high).expand_as(mask)
+            region = (coef > self.epsilon_high) & (adv > 0)  # TRL's cispo_clip_ratio
         elif self.objective == "tis":
             per_token = -torch.clamp(coef, max=self.is_cap).detach() * adv * logprobs
             region = (coef > self.is_cap).expand_as(mask)
@@ -332,6 +342,8 @@ class PolicyLoss:
             if ref_logprobs is None:
                 raise ValueError("beta > 0 needs ref_logprobs")
             kl = k3_kl(logprobs, ref_logprobs)
+            if self.use_bias_correction_kl:
+                kl = kl * coef
             per_token = per_token + self.beta * kl
             metrics["kl"] = _f(mean(kl, mask))
         loss = aggregate(per_token, mask, self.aggregation, self.max_completion_length, totals)
@@ -343,8 +355,12 @@ class PolicyLoss:
                 loss = loss - self.entropy_coef * ent
         elif self.entropy_coef:
             raise ValueError("entropy_coef needs the per-token entropy")
-        if region is not None:
-            metrics["clip_fraction"] = _f(mean(region.expand_as(mask).to(mask.dtype), mask))
+        if region is not None:  # of the masked tokens; of the rows at level="sequence" (one ratio per row), as TRL
+            if region.shape[-1] == 1:
+                rows = mask.shape[0] if totals is None else totals.rows
+                metrics["clip_fraction"] = _f(region.to(mask.dtype).sum() / max(1, rows))
+            else:
+                metrics["clip_fraction"] = _f(mean(region.to(mask.dtype), mask))
         metrics["ratio_mean"] = _f(mean(coef.detach().expand_as(mask), mask))
         metrics["loss"] = _f(loss)
         if not math.isfinite(metrics["loss"]):
@@ -365,31 +381,36 @@ def bnpo(**kw: Any) -> PolicyLoss:
     return PolicyLoss(objective="clip", aggregation="token", **kw)
 
 
-def dapo(*, epsilon_high: float | None = 0.28, **kw: Any) -> PolicyLoss:
-    """DAPO (TRL ``"dapo"``): clip-higher (``epsilon_high`` 0.28 by default, as the paper) and ``token`` mean."""
-    return PolicyLoss(objective="clip", aggregation="token", epsilon_high=epsilon_high, **kw)
+def dapo(**kw: Any) -> PolicyLoss:
+    """DAPO (TRL ``"dapo"``, GRPOConfig's default loss): clip objective, ``token`` mean over the batch.
+
+    ``epsilon_high`` defaults to ``epsilon`` as in GRPOConfig; the DAPO paper's clip-higher uses 0.28."""
+    return PolicyLoss(objective="clip", aggregation="token", **kw)
 
 
 def dr_grpo(*, max_completion_length: int | None = None, **kw: Any) -> PolicyLoss:
     """Dr. GRPO (TRL ``"dr_grpo"``): clip objective, ``const`` aggregation ``/ (B * max_completion_length)``.
 
-    Without ``max_completion_length`` the mask width ``T`` is used (the trainer passes the generators'
-    ``max_tokens``).
+    GRPOConfig's ``max_completion_length`` is its generation length (default 512); the trainer passes the
+    generators' ``max_tokens``, its counterpart here. Called without it, the mask width ``T`` is used.
     """
     return PolicyLoss(objective="clip", aggregation="const", max_completion_length=max_completion_length, **kw)
 
 
-def gspo(*, epsilon: float = 3e-4, epsilon_high: float | None = 4e-4, **kw: Any) -> PolicyLoss:
+def gspo(**kw: Any) -> PolicyLoss:
     """GSPO (TRL ``importance_sampling_level="sequence"`` with ``loss_type="grpo"``): the ratio is
-    ``s_i = exp(mean_t m (logp - old))`` per row, clipped to ``[1-eps_lo, 1+eps_hi]`` (3e-4 / 4e-4 as the paper),
-    ``seq`` aggregation."""
-    return PolicyLoss(objective="clip", aggregation="seq", level="sequence", epsilon=epsilon,
-                      epsilon_high=epsilon_high, **kw)
+    ``s_i = exp(mean_t m (logp - old))`` per row, clipped to ``[1-eps_lo, 1+eps_hi]``, ``seq`` aggregation.
+
+    ``epsilon`` defaults to GRPOConfig's 0.2; the GSPO paper uses ``epsilon=3e-4, epsilon_high=4e-4``."""
+    return PolicyLoss(objective="clip", aggregation="seq", level="sequence", **kw)
 
 
-def cispo(*, epsilon_high: float | None = 5.0, **kw: Any) -> PolicyLoss:
-    """CISPO (TRL ``"cispo"``): ``l = -sg(min(r, epsilon_high)) A logp``, ``token`` aggregation."""
-    return PolicyLoss(objective="cispo", aggregation="token", epsilon_high=epsilon_high, **kw)
+def cispo(**kw: Any) -> PolicyLoss:
+    """CISPO (TRL ``"cispo"``): ``l = -sg(min(r, epsilon_high)) A logp``, ``token`` aggregation.
+
+    ``epsilon_high`` defaults to ``epsilon`` (0.2) as in GRPOConfig, so by default every weight ``sg(r)`` is capped
+    at 0.2; the ScaleRL paper's ``epsilon_max`` is 5.0 (``trainer.loss_args={"epsilon_high": 5.0}``)."""
+    return PolicyLoss(objective="cispo", aggregation="token", **kw)
 
 
 def sapo(**kw: Any) -> PolicyLoss:
@@ -398,13 +419,14 @@ def sapo(**kw: Any) -> PolicyLoss:
 
 
 def reinforce(*, is_cap: float = 2.0, **kw: Any) -> PolicyLoss:
-    """REINFORCE with truncated importance sampling: ``l = -sg(min(r, is_cap)) A logp``, ``token`` aggregation."""
+    """REINFORCE with truncated importance sampling: ``l = -sg(min(r, is_cap)) A logp``, ``token`` aggregation.
+    No TRL counterpart."""
     return PolicyLoss(objective="tis", aggregation="token", is_cap=is_cap, **kw)
 
 
 def decoupled_ppo(*, is_cap: float = 5.0, **kw: Any) -> PolicyLoss:
-    """Decoupled PPO: behaviour policy (importance weight, truncated at ``is_cap``) separated from the proximal
-    policy (the clip anchor), ``token`` aggregation; see ``PolicyLoss``."""
+    """Decoupled PPO (AReaL): behaviour policy (importance weight, truncated at ``is_cap``) separated from the
+    proximal policy (the clip anchor), ``token`` aggregation; see ``PolicyLoss``. No TRL counterpart."""
     return PolicyLoss(objective="decoupled", aggregation="token", is_cap=is_cap, **kw)
 
 

@@ -75,6 +75,7 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     cfg.trainer.max_steps = 3
     cfg.trainer.checkpoint_every = 2
     cfg.trainer.lr = 1e-3
+    cfg.trainer.loss_args = {"beta": 0.04}  # the KL term; its reference is the initial model (trainer.ref_model "")
     cfg.weightsync.transport = "file"
     cfg.weightsync.ack_deadline_s = 2.0
     batches = [make_batch(i) for i in range(3)]
@@ -106,9 +107,11 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         for key in ("step", "policy_version", "time_s", "reward_mean", "loss", "staleness_mean", "episodes",
-                    "kl" if False else "entropy", "clip_fraction", "grad_norm", "tokens_per_s", "lr"):
+                    "kl", "entropy", "clip_fraction", "grad_norm", "tokens_per_s", "lr"):
             assert key in r, key
         assert r["episodes"] == 4 and np.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1 trains the reference's own weights
+    assert rows[1]["kl"] > 1e-6 and rows[2]["kl"] > 1e-6  # the updates moved the policy away from it
     assert rows[-1]["staleness_mean"] == 2.0  # tokens sampled by version 0, trained at version 2
     assert rows[-1]["duplicates"] == 1
     drops = [{k: v for k, v in r.items() if k.startswith("buffer/dropped/")} for r in rows]

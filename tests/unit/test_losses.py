@@ -1,4 +1,6 @@
-"""Every built-in loss against its documented formula: hand-computed cases, TRL's math, gradient flow."""
+"""Every built-in loss against its documented formula: hand-computed cases, gradient flow, data-parallel shares.
+
+The comparison with TRL's own ``GRPOTrainer._compute_loss`` is ``test_losses_trl.py``."""
 
 from __future__ import annotations
 
@@ -26,62 +28,6 @@ def case(seed: int = 0, b: int = 4, t: int = 7):
     return logp, old, adv, mask, ref, ent
 
 
-def trl_reference(loss_type, logp, old, adv, mask, *, epsilon=0.2, epsilon_high=None, delta=None, beta=0.0,
-                  ref=None, level="token", max_completion_length=None, sapo_pos=1.0, sapo_neg=1.05):
-    """TRL GRPOTrainer._compute_loss, rewritten from its documented math (single process, no accumulation)."""
-    eps_lo, eps_hi = epsilon, epsilon if epsilon_high is None else epsilon_high
-    a = adv.unsqueeze(1)
-    log_ratio = logp - old
-    if level == "sequence":
-        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    c1 = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        ptl = -torch.clamp(c1, max=eps_hi).detach() * a * logp
-    elif loss_type == "sapo":
-        tau = torch.where(a > 0, torch.tensor(sapo_pos), torch.tensor(sapo_neg))
-        ptl = -torch.sigmoid(tau * (c1 - 1)) * 4 / tau * a
-    else:
-        c2 = torch.clamp(c1, 1 - eps_lo, 1 + eps_hi)
-        if delta is not None:
-            c1 = torch.clamp(c1, max=delta)
-        ptl = -torch.min(c1 * a, c2 * a)
-    if beta:
-        ptl = ptl + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
-    if loss_type in ("grpo", "sapo"):
-        return ((ptl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if loss_type == "bnpo":
-        return (ptl * mask).sum() / mask.sum().clamp(min=1.0)
-    if loss_type == "dr_grpo":
-        return (ptl * mask).sum() / (ptl.size(0) * max_completion_length)
-    if loss_type in ("dapo", "cispo"):
-        return (ptl * mask).sum() / mask.sum().clamp(min=1.0)
-    raise AssertionError(loss_type)
-
-
-@pytest.mark.parametrize("name,kw,trl_type,trl_kw", [
-    ("grpo", {}, "grpo", {}),
-    ("grpo", {"epsilon": 0.1, "epsilon_high": 0.3, "delta": 1.5}, "grpo",
-     {"epsilon": 0.1, "epsilon_high": 0.3, "delta": 1.5}),
-    ("grpo", {"beta": 0.04}, "grpo", {"beta": 0.04}),
-    ("bnpo", {}, "bnpo", {}),
-    ("dapo", {}, "dapo", {"epsilon_high": 0.28}),
-    ("dr_grpo", {"max_completion_length": 16}, "dr_grpo", {"max_completion_length": 16}),
-    ("gspo", {}, "grpo", {"level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}),
-    ("gspo", {"beta": 0.1}, "grpo", {"level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4, "beta": 0.1}),
-    ("cispo", {}, "cispo", {"epsilon_high": 5.0}),
-    ("cispo", {"epsilon_high": 1.1}, "cispo", {"epsilon_high": 1.1}),
-    ("sapo", {}, "sapo", {}),
-])
-def test_matches_trl_math_value_and_gradient(name, kw, trl_type, trl_kw):
-    logp, old, adv, mask, ref, _ = case()
-    ours, _ = make_loss(name, **kw)(logp, old, adv, mask, ref)
-    (g_ours,) = torch.autograd.grad(ours, logp)
-    theirs = trl_reference(trl_type, logp, old, adv, mask, ref=ref, **trl_kw)
-    (g_theirs,) = torch.autograd.grad(theirs, logp)
-    assert torch.allclose(ours, theirs, atol=1e-7, rtol=1e-6)
-    assert torch.allclose(g_ours, g_theirs, atol=1e-7, rtol=1e-6)
-
-
 def test_grpo_hand_computed_on_policy():
     # On policy (ratio 1) the clip is inactive: L = mean_i(-A_i) over rows, gradient -A_i/|o_i| per token.
     logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, 0.0]], requires_grad=True)
@@ -96,18 +42,22 @@ def test_grpo_hand_computed_on_policy():
 
 
 def test_dapo_hand_computed_clip_higher():
-    # One token, A = 1, ratio e^0.5 = 1.6487 > 1.28: clipped to 1.28, no gradient.
+    # One token, A = 1, ratio e^0.5 = 1.6487 > 1.28 (the DAPO paper's clip-higher): clipped to 1.28, no gradient.
     logp = torch.tensor([[0.5]], requires_grad=True)
-    loss, m = make_loss("dapo")(logp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1))
+    dapo = make_loss("dapo", epsilon_high=0.28)
+    loss, m = dapo(logp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1))
     assert loss.item() == pytest.approx(-1.28)
     loss.backward()
     assert logp.grad.abs().sum() == 0 and m["clip_fraction"] == 1.0
     # A = -1 with the same ratio: min(-r, -1.28) = -r is unclipped, gradient r.
     logp.grad = None
-    loss, _ = make_loss("dapo")(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))
+    loss, _ = dapo(logp, torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1))
     assert loss.item() == pytest.approx(math.exp(0.5))
     loss.backward()
     assert logp.grad.item() == pytest.approx(math.exp(0.5))
+    # GRPOConfig's default epsilon_high = epsilon: the upper clip is 1.2.
+    loss, _ = make_loss("dapo")(logp, torch.zeros(1, 1), torch.tensor([1.0]), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.2)
 
 
 def test_dr_grpo_divides_by_constant():
@@ -189,6 +139,24 @@ def test_k3_kl_and_beta():
     assert m["kl"] == pytest.approx(kl.mean().item())
     with pytest.raises(ValueError):
         make_loss("bnpo", beta=0.5)(logp, lp, torch.tensor([1.0]), torch.ones(1, 2))
+
+
+def test_bias_corrected_kl_is_weighted_by_the_ratio():
+    # Off policy, ratio r = 2 on the first token and 1 on the second: TRL's default multiplies k3 by r (with its
+    # gradient); use_bias_correction_kl=False leaves it plain.
+    old = torch.tensor([[math.log(0.25), math.log(0.5)]])
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)]])
+    ref = torch.tensor([[math.log(0.4), math.log(0.3)]])
+    kl, r = k3_kl(lp, ref), torch.exp(lp - old)
+    d_kl = 1 - torch.exp(ref - lp)  # d k3 / d logp
+    adv, mask = torch.tensor([0.0]), torch.ones(1, 2)  # A = 0: the loss is the KL term alone
+    for corrected, want, grad in ((True, kl * r, d_kl * r + kl * r), (False, kl, d_kl)):
+        logp = lp.clone().requires_grad_(True)
+        loss, m = make_loss("bnpo", beta=0.5, use_bias_correction_kl=corrected)(logp, old, adv, mask, ref)
+        assert loss.item() == pytest.approx(0.5 * want.mean().item())
+        assert m["kl"] == pytest.approx(want.mean().item())
+        loss.backward()
+        assert torch.allclose(logp.grad, 0.5 * grad / 2)
 
 
 def test_entropy_bonus_subtracts_masked_mean_entropy():
