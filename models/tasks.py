@@ -8,11 +8,20 @@ Each task makes a prompt from a ``random.Random`` and scores a response against 
 ``score(response_text, answer)`` is 1.0 when the response, stripped of surrounding whitespace and cut at the
 first end-of-answer character (newline, space or ``.``), equals the answer, else 0.0 (a plain 0/1 reward: the
 learning check in FACTS.md reaches mean reward 0.8 with it).
+
+Two tasks are for pretrained instruct models (``configs/smollm2.yaml``), in the shape TRL users write: the question
+asks for the answer inside ``<answer>...</answer>`` tags, and ``score`` is 1.0 when the last tag holds the answer:
+
+* ``add1``: ``"What is 3 + 5? ..."`` (digits) -> ``"8"``;
+* ``add2``: ``"What is 47 + 38? ..."`` (two-digit numbers) -> ``"85"``.
+
+The ``answer_format`` and ``answer`` rewards (``producers.rewards``) score the format and the answer separately.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +63,27 @@ def _reverse_prompt(rng: random.Random) -> tuple[str, str]:
     return f"reverse {word}:", word[::-1]
 
 
+ANSWER_INSTRUCTION = "Put only the final number inside <answer></answer> tags."
+_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def tagged_score(response_text: str, answer: str) -> float:
+    """1.0 if the last ``<answer>...</answer>`` of the response holds exactly ``answer`` (stripped), else 0.0."""
+    tags = _TAG.findall(response_text)
+    return 1.0 if tags and tags[-1].strip() == answer.strip() else 0.0
+
+
+def _sum_prompt(lo: int, hi: int) -> Callable[[random.Random], tuple[str, str]]:
+    def make(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        return f"What is {a} + {b}? {ANSWER_INSTRUCTION}", str(a + b)
+
+    return make
+
+
 TASKS: dict[str, ToyTask] = {
+    "add1": ToyTask("add1", _sum_prompt(1, 9), tagged_score, max_answer_tokens=12),
+    "add2": ToyTask("add2", _sum_prompt(10, 99), tagged_score, max_answer_tokens=12),
     "addmod10": ToyTask("addmod10", _addmod10_prompt, exact_score, max_answer_tokens=2),
     "reverse": ToyTask("reverse", _reverse_prompt, exact_score, max_answer_tokens=4),
 }

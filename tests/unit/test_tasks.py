@@ -6,8 +6,10 @@ import random
 
 import pytest
 
-from models.tasks import TASKS, first_answer, get_task
+from models.tasks import TASKS, first_answer, get_task, tagged_score
 from models.tiny_model import ALPHABET
+
+TINY = ("addmod10", "reverse")  # the tiny model's tasks; add1 and add2 are for instruct models
 
 
 def test_registry_has_the_agreed_tasks():
@@ -32,7 +34,7 @@ def test_reverse_prompts_and_answers():
         assert len(word) == 3 and word.isalpha() and answer == word[::-1]
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", TINY)
 def test_prompts_are_deterministic_and_in_the_tiny_alphabet(name):
     task = TASKS[name]
     a = [task.make_prompt(random.Random(7)) for _ in range(5)]
@@ -60,9 +62,23 @@ def test_prompts_are_deterministic_and_in_the_tiny_alphabet(name):
     ],
 )
 def test_score(response, answer, expected):
-    for task in TASKS.values():
+    for task in (TASKS[n] for n in TINY):
         score = task.score(response, answer)
         assert score == expected and 0.0 <= score <= 1.0
+
+
+@pytest.mark.parametrize("name", ["add1", "add2"])
+def test_instruct_sum_tasks_ask_for_a_tagged_answer(name):
+    rng = random.Random(3)
+    lo, hi = (1, 9) if name == "add1" else (10, 99)
+    for _ in range(100):
+        text, answer = TASKS[name].make_prompt(rng)
+        a, b = (int(x) for x in text.removeprefix("What is ").split("?")[0].split(" + "))
+        assert lo <= a <= hi and lo <= b <= hi and answer == str(a + b) and "<answer></answer>" in text
+    assert TASKS[name].make_prompt(random.Random(5)) == TASKS[name].make_prompt(random.Random(5))
+    assert tagged_score("so <answer> 12 </answer>", "12") == 1.0
+    assert tagged_score("<answer>1</answer> or <answer>12</answer>", "12") == 1.0  # the last tag counts
+    assert tagged_score("12", "12") == 0.0 and tagged_score("<answer>13</answer>", "12") == 0.0
 
 
 def test_first_answer_cuts_at_the_first_stop_character():
