@@ -9,7 +9,8 @@ crashed loop stops the role with a clear message, it never leaves the process ha
 drains gracefully (bounded by ``drain_timeout_s``), the second forces exit (code 130); a crashed loop exits 1, and
 within ``CRASH_EXIT_S`` of the crash whatever it holds: the crash arms a timer that ends the process hard
 (``os._exit``) if closing its clients, joining its threads (a gloo or NCCL collective, a thread pool) or the
-interpreter's own shutdown takes longer. A role never lingers half-dead after a failure.
+interpreter's own shutdown takes longer. A role never lingers half-dead after a failure. A role that stopped
+normally gets the same bound on its interpreter's shutdown (``arm_exit``), with its own exit code.
 Once the role has started it collects and freezes the heap (``gc.freeze``): everything start-up made (modules,
 clients, a model) moves to the collector's permanent generation, so its full passes scan only what the loops
 create. In the buffer role the collector scanning the start-up heap again and again had cost about a seventh of
@@ -180,7 +181,30 @@ def run_service(service: Service, *, use_uvloop: bool = True) -> int:
             raise
         return EXIT_OK
 
-    return asyncio.run(main())
+    code = asyncio.run(main())
+    arm_exit(code)
+    return code
+
+
+def arm_exit(code: int, seconds: float | None = None) -> None:
+    """After a role stopped: end the process with ``code`` in ``CRASH_EXIT_S`` if the interpreter's shutdown (which
+    joins every non-daemon thread: a thread pool's worker blocked in a gloo rendezvous, say) has not ended it by
+    then. A daemon timer, so a clean exit is never delayed by it. Idempotent (a crash's timer stands)."""
+    global _exit_timer
+    if _exit_timer is not None:
+        return
+    wait = CRASH_EXIT_S if seconds is None else seconds
+
+    def hard_exit() -> None:
+        log.warning("threads still running %.0f s after the role stopped: exiting now", wait)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    _exit_timer = threading.Timer(wait, hard_exit)
+    _exit_timer.daemon = True
+    _exit_timer.start()
 
 
 _exit_timer: threading.Timer | None = None

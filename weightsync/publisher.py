@@ -41,6 +41,7 @@ subject as the source and the reason):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -87,6 +88,13 @@ class _Pair:
         self.broken = True
         self.executor.shutdown(wait=False, cancel_futures=True)
         release(self.group)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """``loop.call_soon_threadsafe`` from a pair's thread; a loop already closed (the trainer stopped while a
+    rendezvous was still waiting) has nobody left to tell."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _metric(key: str, value: float) -> None:
@@ -416,8 +424,8 @@ class WeightPublisher:
                 pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s,
                                                   backend=self.transport, device=self._pair_device())
                 loop = asyncio.get_running_loop()
-                pair.group.add_done_callback(lambda f, gid=m.generator_id, pair=pair: loop.call_soon_threadsafe(
-                    self._on_pair_ready, gid, pair, f))
+                pair.group.add_done_callback(lambda f, gid=m.generator_id, pair=pair: _call_soon(
+                    loop, self._on_pair_ready, gid, pair, f))
                 m.state = pair
                 if self._latest is not None and self._latest.version > mem.version:
                     fut = self._queue_push(pair, m.generator_id, self._latest)

@@ -141,6 +141,8 @@ SCRIPT = textwrap.dedent("""
             if sys.argv[1] == "crash-hang":  # a collective that never returns, and a thread nobody can join
                 threading.Thread(target=time.sleep, args=(600,), daemon=False).start()
                 await asyncio.sleep(600)
+            if sys.argv[1] == "thread":  # a pool worker blocked in a rendezvous: the interpreter would join it
+                threading.Thread(target=time.sleep, args=(600,), daemon=False).start()
         async def work(self):
             print("ready", flush=True)
             print(f"frozen {gc.get_freeze_count()}", flush=True)
@@ -212,3 +214,14 @@ def test_a_crashed_role_that_cannot_stop_still_exits_within_the_bound(tmp_path: 
     assert proc.returncode == 1 and "loop 'work' stopped unexpectedly" in err
     assert "exiting now" in err
     assert time.monotonic() - t0 < 2.0 + 8  # CRASH_EXIT_S (2 s here) and the interpreter's start
+
+
+def test_a_stopped_role_whose_thread_never_ends_still_exits_with_its_code(tmp_path: Path) -> None:
+    """A normal stop, but a non-daemon thread would hold the interpreter's exit: ``arm_exit`` ends it, code 0."""
+    proc = _spawn(tmp_path, "thread", 5.0, 0.0)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "exiting now" in err
+    assert time.monotonic() - t0 < 2.0 + 6  # CRASH_EXIT_S (2 s here) after the stop
