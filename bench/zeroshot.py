@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--system-prompt", default="", help="with the chat rendering: a system turn (empty: the model's)")
     ap.add_argument("--render", nargs="+", default=["plain", "chat"], choices=["plain", "chat"])
     args = ap.parse_args()
 
@@ -48,14 +50,15 @@ def main() -> None:
     model = str(ensure_source_model(args.model)) if args.model in SOURCES else args.model
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0, disable_log_stats=True)
     tok = llm.get_tokenizer()
-    params = SamplingParams(n=args.group_size, max_tokens=args.max_tokens, temperature=1.0, seed=0)
+    params = SamplingParams(n=args.group_size, max_tokens=args.max_tokens, temperature=args.temperature)
     rewards = RewardSet(args.rewards, args.weights, timeout_s=120)
     best = None
     for spec in args.tasks:
         prompts = list(open_source(spec, seed=1, num_prompts=args.prompts))
         for render in args.render:
             checker = PromptChecker(tok, max_model_len=512, max_tokens=args.max_tokens, vocab_size=lambda: 0,
-                                    chat_template=render == "chat")
+                                    chat_template=render == "chat",
+                                    system_prompt=args.system_prompt if render == "chat" else "")
             t0 = time.perf_counter()
             outs = llm.generate([TokensPrompt(prompt_token_ids=checker.render(p.text)) for p in prompts], params,
                                 use_tqdm=False)
@@ -74,7 +77,7 @@ def main() -> None:
                     for k, v in s.components.items():
                         totals[k] = totals.get(k, 0.0) + v
                 signal += len(set(group)) > 1
-            row = {"task": spec, "render": render, "reward_mean": round(reward_sum / n, 4),
+            row = {"task": spec, "render": render, "temperature": args.temperature, "reward_mean": round(reward_sum / n, 4),
                    **{f"{k}_mean": round(v / n, 4) for k, v in totals.items()},
                    "signal_groups": signal, "groups": len(prompts),
                    "response_tokens_mean": round(sum(lengths) / len(lengths), 1), "generate_s": round(gen_s, 1),

@@ -24,6 +24,9 @@ Builtins (``BUILTINS``):
   reward TRL users pair with a correctness reward).
 * ``answer``: 1.0 if the content of the response's last ``<answer>...</answer>`` matches ``prompt.answer`` (numbers
   with the tolerance of ``math``, other answers as normalised strings), else 0.0.
+* ``last_number``: 1.0 if the last number in the response (the content of its last ``<answer>`` tag when it has
+  one) equals ``prompt.answer`` as a number, else 0.0: the answer extraction of GSM8K-style graders, which credits
+  "3 + 5 = 8" before the model has learned any format.
 * ``reasoning_gym``: reasoning-gym's own verifier for the prompt's dataset
   (``prompt.metadata["dataset"]`` and ``["entry"]``, as ``producers.sources`` writes them), applied to the
   ``<answer>...</answer>`` of the response if it has one, else to the whole stripped response.
@@ -155,6 +158,15 @@ def answer_tag(prompt: Prompt, response_text: str) -> float:
     return 1.0 if tags and answers_match(tags[-1].strip(), prompt.answer) else 0.0
 
 
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(prompt: Prompt, response_text: str) -> float:
+    tags = _ANSWER_TAG.findall(response_text)
+    numbers = _NUMBER.findall(tags[-1] if tags else response_text)
+    return 1.0 if numbers and answers_match(numbers[-1].rstrip(".,"), prompt.answer) else 0.0
+
+
 def reasoning_gym_reward(prompt: Prompt, response_text: str) -> float:
     import reasoning_gym
 
@@ -176,6 +188,7 @@ BUILTINS: dict[str, RewardFn] = {
     "reasoning_gym": reasoning_gym_reward,
     "answer_format": answer_format,
     "answer": answer_tag,
+    "last_number": last_number,
 }
 
 

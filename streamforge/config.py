@@ -163,6 +163,8 @@ def _overrides_to_dotlist(overrides: Sequence[str]) -> list[str]:
         item = item.removeprefix("--")
         if "=" not in item:
             raise ConfigError(item, "an override must look like --section.key=value")
+        if item.endswith("="):  # --section.key= sets the empty string (YAML would read it as null)
+            item += "''"
         out.append(item)
     return out
 

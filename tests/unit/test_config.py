@@ -84,3 +84,10 @@ def test_env_names_every_section_key_round_trip() -> None:
         for key in dataclasses.fields(getattr(cfg, section.name)):
             name = f"STREAMFORGE_{section.name.upper()}__{key.name.upper()}"
             assert env_overrides({name: "x"}) == [f"{section.name}.{key.name}=x"]
+
+
+def test_an_empty_override_sets_the_empty_string() -> None:
+    from streamforge.config import load_config
+
+    cfg = load_config(None, ["--model.warmstart_task="])
+    assert cfg.model.warmstart_task == ""

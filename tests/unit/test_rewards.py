@@ -176,3 +176,19 @@ def test_weights_must_match():
 def test_answer_tag_rewards(text, fmt, correct):
     assert BUILTINS["answer_format"](P("85"), text) == fmt
     assert BUILTINS["answer"](P("85"), text) == correct
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3 + 5 = 8", 1.0),
+        ("The answer is 8.", 1.0),
+        ("8 or maybe 9", 0.0),  # the last number counts
+        ("<answer>8</answer> and 9 more", 1.0),  # a tag wins over later numbers
+        ("<answer>eight</answer> 8", 0.0),
+        ("1,008", 0.0),
+        ("no number", 0.0),
+    ],
+)
+def test_last_number_reward(text, expected):
+    assert BUILTINS["last_number"](P("8"), text) == expected
