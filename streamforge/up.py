@@ -102,11 +102,17 @@ class Child:
         return True
 
     def log_tail(self, n: int = 15) -> str:
+        """The last ``n`` lines of the role's log, after the line that says why it stopped (a role's crash prints
+        ``streamforge: <why>``) when that is further up: exit-time noise (library leak reports) can fill a tail."""
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return ""
-        return "\n".join(lines[-n:])
+        why = [line for line in lines if line.startswith("streamforge: ")]
+        tail = lines[-n:]
+        if why and why[-1] not in tail:
+            tail = [why[-1], "..."] + tail
+        return "\n".join(tail)
 
 
 def cpu_binds(generators: int, *, cpus: int | Sequence[int] | None = None,
