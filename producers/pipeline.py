@@ -105,6 +105,8 @@ class PromptPipeline:
             for ep, ok in zip(episodes, scored):
                 if ok:
                     record_metric("generator/reward_mean", ep.reward)
+                    for name, value in ep.reward_components.items():  # each reward apart (format, correctness)
+                        record_metric(f"generator/reward/{name}", value)
                     record_metric("generator/response_tokens", len(ep.response_tokens))
 
     async def _score(self, prompt: Prompt, episodes: list[Episode]) -> list[bool]:

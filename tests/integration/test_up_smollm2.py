@@ -1,5 +1,7 @@
 """`streamforge up` on configs/smollm2.yaml for two trainer steps: a real 135M model through every role.
 
+The learning itself is shown by bench/realmodel.py, not by a timed test.
+
 Bounded for a test (smaller groups and responses than the config, no zero-variance filter so the first groups make
 the first batches); checks the run directory's metrics, that the generator swapped to a trained version, and that
 the audit reconciles. The model is converted once into the user cache (~/.cache/streamforge/models, 1-2 min the
@@ -9,6 +11,7 @@ average 15-17): 6 to 7.8 min in all; in one run the trainer's first step took 15
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -49,6 +52,12 @@ def test_up_trains_smollm2_two_steps_and_swaps(tmp_path: Path) -> None:
     # trainer's agree on the converted model (measured 7.8e-6 mean absolute difference per token).
     assert rows[0]["staleness_mean"] == 0 and rows[0]["logprob_drift"] < 1e-3, rows[0]
     assert rows[-1]["policy_version"] >= 1  # the second step trained on episodes of version 1 or its row says so
+
+    # each reward of the config apart, in the generator's metrics (the chat-templated prompts were answered)
+    gen = read_metrics(run_dir / "metrics-generator-0.jsonl")
+    for key in ("generator/reward/last_number", "generator/reward/answer_format"):
+        assert any(key in r for r in gen), key
+    assert all(math.isfinite(r["loss"]) for r in rows) and any(r["loss"] != 0 for r in rows), rows  # it trained
 
     swaps = [s for s in read_spans(run_dir / "traces.jsonl") if s["name"] == "generator.swap"]
     assert any(s["attributes"].get("ok") and s["attributes"].get("version", 0) >= 1 for s in swaps), swaps
