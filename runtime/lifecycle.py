@@ -148,6 +148,17 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def run_on_uvloop(coro: Any) -> Any:
+    """``asyncio.run(coro)`` on a uvloop event loop, leaving the process's event-loop policy alone (the notebook API
+    and the CLI's commands run in processes, pytest's among them, whose other loops must stay what they were)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
 def run_service(service: Service, *, use_uvloop: bool = True) -> int:
     """Run a service as this process's main job; returns the process exit code."""
     if use_uvloop:

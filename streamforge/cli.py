@@ -41,11 +41,10 @@ def _load(config: str | None, overrides: tuple[str, ...], extra: list[str] = ())
 
 
 def _run_async(coro: Any) -> Any:
-    from runtime.lifecycle import install_uvloop
+    from runtime.lifecycle import run_on_uvloop
 
-    install_uvloop()
     try:
-        return asyncio.run(coro)
+        return run_on_uvloop(coro)
     except (BrokerUnavailable, AuthenticationFailed) as exc:
         raise click.ClickException(str(exc)) from None
 

@@ -365,7 +365,6 @@ async def _finish(config: Any) -> None:
 
 
 def run_up(config: Any, *, config_path: str | None, overrides: list[str]) -> int:
-    from runtime.lifecycle import install_uvloop
+    from runtime.lifecycle import run_on_uvloop
 
-    install_uvloop()
-    return asyncio.run(_up(config, config_path, overrides))
+    return run_on_uvloop(_up(config, config_path, overrides))

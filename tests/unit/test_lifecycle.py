@@ -225,3 +225,16 @@ def test_a_stopped_role_whose_thread_never_ends_still_exits_with_its_code(tmp_pa
     assert proc.returncode == 0, err
     assert "exiting now" in err
     assert time.monotonic() - t0 < 2.0 + 6  # CRASH_EXIT_S (2 s here) after the stop
+
+
+def test_run_on_uvloop_leaves_the_event_loop_policy_alone() -> None:
+    """The notebook API runs ``up`` inside the caller's process: pytest's later loops must still spawn processes."""
+    from runtime.lifecycle import run_on_uvloop
+
+    before = asyncio.get_event_loop_policy()
+
+    async def which() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_on_uvloop(which()).startswith("uvloop")
+    assert asyncio.get_event_loop_policy() is before
