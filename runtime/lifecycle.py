@@ -200,42 +200,34 @@ def run_service(service: Service, *, use_uvloop: bool = True) -> int:
 def arm_exit(code: int, seconds: float | None = None) -> None:
     """After a role stopped: end the process with ``code`` in ``CRASH_EXIT_S`` if the interpreter's shutdown (which
     joins every non-daemon thread: a thread pool's worker blocked in a gloo rendezvous, say) has not ended it by
-    then. A daemon timer, so a clean exit is never delayed by it. Idempotent (a crash's timer stands)."""
-    global _exit_timer
-    if _exit_timer is not None:
-        return
-    wait = CRASH_EXIT_S if seconds is None else seconds
+    then. Idempotent (a crash's timer stands)."""
+    _arm_timer(code, CRASH_EXIT_S if seconds is None else seconds, "the role stopped")
 
-    def hard_exit() -> None:
-        log.warning("threads still running %.0f s after the role stopped: exiting now", wait)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
 
-    _exit_timer = threading.Timer(wait, hard_exit)
-    _exit_timer.daemon = True
-    _exit_timer.start()
+def arm_crash_exit(crash: BaseException, seconds: float | None = None) -> None:
+    """Say why the role stops, then end the process (exit code 1) in ``CRASH_EXIT_S`` unless it has ended by
+    itself. Idempotent."""
+    if _exit_timer is None:
+        print(f"streamforge: {crash}", file=sys.stderr, flush=True)
+    _arm_timer(EXIT_CRASHED, CRASH_EXIT_S if seconds is None else seconds, "the failure")
 
 
 _exit_timer: threading.Timer | None = None
 
 
-def arm_crash_exit(crash: BaseException, seconds: float | None = None) -> None:
-    """Say why the role stops, then end the process (exit code 1) in ``CRASH_EXIT_S`` unless it has ended by
-    itself: the timer is a daemon thread, so a clean exit is never delayed by it. Idempotent."""
+def _arm_timer(code: int, wait: float, after: str) -> None:
+    """A daemon timer (a clean exit is never delayed by it) that flushes and ``os._exit(code)``s; the first armed
+    stands."""
     global _exit_timer
     if _exit_timer is not None:
         return
-    print(f"streamforge: {crash}", file=sys.stderr, flush=True)
-    wait = CRASH_EXIT_S if seconds is None else seconds
 
     def hard_exit() -> None:
-        log.error("still running %.0f s after the failure: exiting now", wait)
+        log.error("still running %.0f s after %s: exiting now", wait, after)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(EXIT_CRASHED)
+        os._exit(code)
 
     _exit_timer = threading.Timer(wait, hard_exit)
     _exit_timer.daemon = True
