@@ -2,12 +2,13 @@
 
 A generator is a *member* from its ``join`` until its ``leave`` or until it has been silent (no join, heartbeat or
 ack) for ``member_timeout_s``. A member is *confirmed* once it completed the weight-transfer handshake (its pair
-group came up; with the file transport, which has no handshake, its join); one that does not within ``handshake_timeout_s`` of its
-join (or, for one known from its heartbeats, of the first one) is dropped (``expire_unconfirmed``), and its
-heartbeats are ignored until it joins again. Every publication round expects an ack of the new version from every
-member, waiting for an unconfirmed one only until its handshake time is up, so a fake or half-dead joiner costs a
-round at most ``handshake_timeout_s``, never the ack deadline; a member that does not ack by the deadline (or whose transfer failed, or that went silent) is
-*fenced*. A fenced generator that is no longer a member and never acked anything leaves the record after
+group came up; with the file transport, which has no handshake, its join); one that does not within
+``handshake_timeout_s`` of its join (or, for one known from its heartbeats, of the first one) is dropped
+(``expire_unconfirmed``), and its heartbeats are ignored until it joins again. Every publication round expects an
+ack of the new version from every member, waiting for an unconfirmed one only until its handshake time is up, so a
+fake or half-dead joiner costs a round at most ``handshake_timeout_s``, never the ack deadline. A member that does
+not ack by the deadline (or whose transfer failed, that went silent, or that was dropped from the round for its
+handshake) is *fenced*. A fenced generator that is no longer a member and never acked anything leaves the record after
 ``fence_expiry_s`` (``expire_fences``): ids are bounded (``topics.names.valid_member_id``) and members capped, so
 the record stays far below NATS's payload limit.
 

@@ -29,7 +29,7 @@ subject as the source and the reason):
 
 * a join with an id that is not ``topics.names.valid_member_id``, or beyond ``max_members``, is refused;
 * a round waits for a member whose handshake is not done (``members.py``) only until its ``handshake_timeout_s``
-  is up, then drops it: a join that never completes the handshake costs no round its ack deadline;
+  is up, then drops and fences it: a join that never completes the handshake costs no round its ack deadline;
 * an ack for a version this trainer never published, or from a generator that is not a member, is refused;
 * the trainer owns the ``latest`` key: when its compare-and-set fails because the value there does not decode, or
   is an older version written by someone else, that value is dead-lettered (``kv:<bucket>/latest``) and the key
@@ -268,7 +268,7 @@ class WeightPublisher:
             # Every member is expected to ack. A member without a working pair group (its pair broke, or it is
             # known from its heartbeats only) joins on this notification and gets the snapshot pushed at once; a
             # dead one is fenced at the deadline and expires from the membership later. One whose handshake is not
-            # done is waited for only until its handshake time is up (then it is dropped, not fenced).
+            # done is waited for only until its handshake time is up (then it is dropped and fenced).
             targets = list(self.registry.members.values())
             self._round_version = version
             self._round_acks = {}
@@ -503,7 +503,8 @@ class WeightPublisher:
             log.warning("generator %s joined %.1f s ago without completing the handshake: dropped", m.generator_id,
                         now - m.joined_at)
             self.counters["handshake_timeouts"] += 1
-            if m.generator_id in self._waiting:
+            if m.generator_id in self._waiting:  # it missed this round's version: fenced (it expires, never acked)
+                self._fence(m.generator_id, self._round_version)
                 self._done_waiting(m.generator_id)
             if isinstance(m.state, _Pair):
                 m.state.close()

@@ -32,6 +32,7 @@ from topics.config import KafkaConfig, NatsConfig
 from topics.names import Names
 from topics.nats import PolicyStore, connect, publish_msg
 from topics.schemas import DeadLetter, Membership, VersionAck
+from weightsync.members import parse_fenced
 
 pytestmark = pytest.mark.vllm
 
@@ -124,7 +125,15 @@ async def test_hostile_control_plane_input_does_not_stop_or_stall_training(tmp_p
         for i in range(5):  # ids far beyond any bound
             await publish_msg(nc, names.membership_subject, Membership(generator_id="x" * 30_000 + str(i),
                                                                        event="join"))
+        # a valid id that never completes a handshake: dropped from its round and fenced, so the record is
+        # written again after the oversized ids
+        await publish_msg(nc, names.membership_subject, Membership(generator_id="late-fake", event="join"))
         await up.until_step(60)
+        for _ in range(100):
+            fenced_now = parse_fenced(await store.get("fenced"))
+            if "late-fake" in fenced_now:
+                break
+            await asyncio.sleep(0.2)
         for v in range(888_888, 888_898):  # acks for versions never published, in the real generator's name
             await publish_msg(nc, names.ack_subject, VersionAck(generator_id="generator-0", version=v))
         await nc.flush()
@@ -138,6 +147,7 @@ async def test_hostile_control_plane_input_does_not_stop_or_stall_training(tmp_p
     gaps = [b["time_s"] - a["time_s"] for a, b in itertools.pairwise(rows)]
     assert max(gaps) < HANDSHAKE_S, max(gaps)  # fake joiners never held a round for its ack deadline
     assert rev_after > fenced_rev  # the fencing record was written after the oversized ids came
+    assert "late-fake" in fenced_now and all(len(gid) <= 128 for gid in fenced_now), fenced_now
     letters = await dead_letters(kafka, names)
     assert any(d.source == f"kv:{names.policy_bucket}/latest" for d in letters)
     long_ids = [d for d in letters if d.source == names.membership_subject and "30001 characters" in d.detail]
