@@ -3,8 +3,8 @@
 A generator is a *member* from its ``join`` until its ``leave`` or until it has been silent (no join, heartbeat or
 ack) for ``member_timeout_s``. A member is *confirmed* once it completed the weight-transfer handshake (its pair
 group came up; with the file transport, which has no handshake, its join); one that does not within
-``handshake_timeout_s`` of its join (or, for one known from its heartbeats, of the first one) is dropped
-(``expire_unconfirmed``), and its heartbeats are ignored until it joins again. Every publication round expects an
+``handshake_timeout_s`` of its join (or, for one known from its heartbeats, of the first round it could join) is
+dropped (``expire_unconfirmed``), and its heartbeats are ignored until it joins again. Every publication round expects an
 ack of the new version from every member, waiting for an unconfirmed one only until its handshake time is up, so a
 fake or half-dead joiner costs a round at most ``handshake_timeout_s``, never the ack deadline. A member that does
 not ack by the deadline (or whose transfer failed, that went silent, or that was dropped from the round for its
@@ -45,6 +45,7 @@ class Member:
     host: str = ""
     pid: int = 0
     confirmed: bool = False  # the handshake of the current join is done (see the module docstring)
+    joined: bool = False  # it sent a join (not only heartbeats) since it became a member
     state: Any = None  # transport state owned by the publisher (pair group, sender thread)
 
 
@@ -88,6 +89,7 @@ class Registry:
                 return None  # dropped for its handshake: only a new join makes it a member again
             m = self.members[msg.generator_id] = Member(msg.generator_id, joined_at=now)
         if msg.event == "join":
+            m.joined = True
             self.failed_handshakes.pop(msg.generator_id, None)
             m.session = self.session_of(msg)
             m.joined_at = now

@@ -261,6 +261,10 @@ class WeightPublisher:
                 self.registry.fence(m.generator_id, version, now=now, last_acked=m.acked_version)
                 if isinstance(m.state, _Pair) and not m.state.broken:
                     self._detached[m.generator_id] = m.state  # re-attached if it turns out to be alive
+            if self.collective:  # one known from heartbeats only joins on this version: its handshake starts now
+                for m in self.registry.members.values():
+                    if not m.confirmed and not m.joined:
+                        m.joined_at = now
             self._expire_unconfirmed(now)
             for gid in self.registry.expire_fences(self.cfg.fence_expiry_s, now=now):
                 log.info("fencing record: %s never acked and is gone: forgotten", gid)
