@@ -404,6 +404,8 @@ class WeightPublisher:
             m = self.registry.on_membership(mem)
             if m is not None and not self.collective:
                 m.confirmed = True  # the file transport has no handshake: a join or heartbeat is the whole of it
+            elif m is not None and mem.event == "join" and not msg.reply:
+                m.joined = False  # a plain announcement opens no pair: its handshake starts with a round it can join
             if mem.event == "leave":
                 log.info("generator %s left", mem.generator_id)
                 self._waiting.discard(mem.generator_id)
