@@ -75,7 +75,9 @@ from topics.kafka import Producer
 def make_config(brokers: EmbeddedBrokers, prefix: str, run_dir: Path, extra: list[str] = ()):  # type: ignore[assignment]
     return load_config(None, [
         f"--run.prefix={prefix}", f"--run.run_dir={run_dir}", f"--kafka.bootstrap={brokers.kafka_bootstrap}",
-        f"--nats.url={brokers.nats_url}", "--telemetry.traces=none", *extra, *COMMON,  # --set wins
+        f"--nats.url={brokers.nats_url}", "--telemetry.traces=none",
+        # no trainer here: nothing consumes batches, so the buffer's bounds from the trainer's progress are off
+        "--staleness.max_versions=-1", "--buffer.max_batches_ahead=0", *extra, *COMMON,  # --set wins
     ], environ={})
 
 
