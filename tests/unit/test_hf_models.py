@@ -39,7 +39,8 @@ def test_source_excludes_the_tiny_warm_start() -> None:
 def test_smollm2_config_loads() -> None:
     config = load_config(ROOT / "configs" / "smollm2.yaml", [], environ={})
     assert config.model.source == "smollm2-135m" and not config.model.path
-    assert config.feeder.source.startswith("reasoning_gym:") and config.generator.rewards == ["reasoning_gym"]
+    assert config.feeder.source == "toy:add1" and config.generator.chat_template
+    assert config.generator.rewards == ["last_number", "answer_format"]
 
 
 def test_default_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
