@@ -49,7 +49,6 @@ or time out.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import math
@@ -62,6 +61,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from opentelemetry import trace
 
 from buffer.config import BufferConfig
+from buffer.pace import TrainerPace
 from buffer.policies import Reason
 from buffer.recovery import committed_since_ms, highwaters, read_decided
 from buffer.state import BufferState, Decision
@@ -70,7 +70,7 @@ from runtime.lifecycle import Service
 from topics.errors import BrokerError, CodecError
 from topics.kafka import Consumer, DeadLetters, Producer, Received, TopicPartition
 from topics.nats import PolicyStore, connect
-from topics.schemas import DropRecord, Episode, TrainerProgress
+from topics.schemas import DropRecord, Episode
 from topics.tracing import context_from_kafka, link_to
 from weightsync.fencing import FenceView
 
@@ -115,11 +115,7 @@ class BufferRole(Service):
         self.names = ctx.names
         self.buffer_id = self.cfg.buffer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.state = BufferState(self.cfg, buffer_id=self.buffer_id)
-        self.latest_version: int | None = None
-        self.trained_steps = 0  # steps the trainer has trained (its progress, or the latest PolicyVersion's step)
-        self.published_step = 0  # the step of the latest PolicyVersion
-        self.progress: TrainerProgress | None = None  # the trainer's, from the KV store (after every step)
-        self._progress_seen: collections.deque[tuple[int, int]] = collections.deque(maxlen=20)  # (step, version)
+        self.pace = TrainerPace()  # the trainer's published versions and progress (buffer/pace.py)
         self._batch_hw: dict[int, int] = {}  # batches-topic high-water marks known from our acks
         self.counters: dict[str, int] = {"dead_lettered": 0, "pauses": 0, "commits": 0, "commit_failures": 0,
                                          "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0}
@@ -140,6 +136,11 @@ class BufferRole(Service):
         self.fence: FenceView | None = None
         self._nc: Any = None
 
+    @property
+    def latest_version(self) -> int | None:
+        """The latest PolicyVersion read from the store (the stale filter's reference)."""
+        return self.pace.latest_version
+
     # -- lifecycle ----------------------------------------------------------------------------
     async def _start(self) -> None:
         kafka = self.ctx.kafka
@@ -155,15 +156,14 @@ class BufferRole(Service):
         self.fence = FenceView(self._nc, self.names)
         await self.fence.start()
         pv, _ = await self.store.latest_good(on_bad=self._dead_letter_value)  # past a bad value: the last good
-        self.latest_version = pv.version if pv is not None else None
-        self.trained_steps = self.published_step = pv.step if pv is not None else 0
+        self.pace = TrainerPace(pv)
         if self.cfg.max_batches_ahead > 0:
             self._batch_hw = await highwaters(kafka, self.names.batches)
         self.consumer = Consumer(kafka, [self.names.episodes], group_id=self.names.buffers_group, expect=Episode,
                                  client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self),
                                  fetch_min_bytes=self.cfg.fetch_min_bytes)
         await self.consumer.start()
-        log.info("buffer %s started (latest policy version %s)", self.buffer_id, self.latest_version)
+        log.info("buffer %s started (latest policy version %s)", self.buffer_id, self.pace.latest_version)
 
     async def _stop(self) -> None:
         for client in (self.consumer, self.producer):
@@ -247,11 +247,8 @@ class BufferRole(Service):
         """
         assert self.store is not None
         async for pv in self.store.watch(on_bad=self._dead_letter_value):
-            if self.latest_version is None or pv.version > self.latest_version:
-                self.latest_version = pv.version
-                if record_metric is not None:
-                    record_metric("buffer/latest_version", pv.version, "max")
-            self.published_step = max(self.published_step, pv.step)
+            if self.pace.on_version(pv) and record_metric is not None:
+                record_metric("buffer/latest_version", pv.version, "max")
             await self._trainer_moved(pv.step)
         raise RuntimeError("the policy-version watch ended")
 
@@ -260,11 +257,7 @@ class BufferRole(Service):
         trainer are those published beyond it. Waits on the KV watch; runs until cancelled."""
         assert self.store is not None
         async for progress in self.store.watch_progress(on_bad=self._dead_letter_value):
-            consumed_more = self.progress is None or progress.consumed > self.progress.consumed
-            if self.progress is not None and progress.step < self.progress.step:  # a restarted trainer
-                self._progress_seen.clear()
-            self.progress = progress
-            self._progress_seen.append((progress.step, progress.version))
+            consumed_more = self.pace.on_progress(progress)
             await self._trainer_moved(progress.step, force=consumed_more)
         raise RuntimeError("the trainer-progress watch ended")
 
@@ -272,8 +265,7 @@ class BufferRole(Service):
         """The trainer has trained ``step`` steps (or consumed more, ``force``). When that is news and batches were
         held back by ``max_batches_ahead``, decide at once (under the loop's lock) instead of waiting for the
         consume loop's next fetch to end: the trainer waits for that batch."""
-        moved = step > self.trained_steps or force
-        self.trained_steps = max(self.trained_steps, step)
+        moved = self.pace.trained(step) or force
         if moved and self.cfg.max_batches_ahead > 0 and self.state.has_ready() and not self._draining:
             async with self._lock:
                 if not self._draining:
@@ -313,48 +305,19 @@ class BufferRole(Service):
             ctx = rec.headers if "traceparent" in rec.headers else None
             self.state.add(rec.value, partition=rec.partition, offset=rec.offset, now=now, context=ctx)
 
-    def _future_versions(self, ahead: int) -> tuple[Any, int | None]:
-        """``(f, reference)`` for the state's per-batch staleness check (``buffer/state.py`` rule 7): the version the
-        trainer trains with now, and ``f(j)``, how many versions it will publish before the ``j``-th batch cut now
-        is trained: it trains the ``ahead + j`` batches queued before it, plus the steps it trained since its last
-        publication, at the rate of versions per step seen in its recent progress (at most one per
-        ``publish_every`` steps; with ``publish_busy: skip`` fewer, as rounds take their time), rounded up. An
-        estimate: the trainer enforces the bound itself and refuses a batch that turned out too stale. Without the
-        trainer's progress: one version per batch queued, and one owed when its published step lags its steps."""
-        p = self.progress
-        if p is None:
-            owed = int(self.trained_steps > self.published_step)
-            return (lambda j: ahead + j + owed), self.latest_version
-        every = max(1, p.publish_every)
-        rate = 1.0 / every
-        if len(self._progress_seen) >= 2:
-            (s0, v0), (s1, v1) = self._progress_seen[0], self._progress_seen[-1]
-            if s1 > s0:
-                rate = min(rate, max(0.0, (v1 - v0) / (s1 - s0)))
-        unpublished = max(0, p.step - p.published_step)
-        reference = max(p.version, self.latest_version if self.latest_version is not None else -1)
-
-        def f(j: int) -> int:
-            steps = unpublished + ahead + j
-            return min(steps // every, math.ceil(steps * rate - 1e-9))  # the most possible, or the rate seen
-
-        return f, reference
-
     def batches_ahead(self) -> int:
         """Batches published (acknowledged or in flight) and not consumed by the trainer yet: beyond the records it
         consumed (its progress: trained, refused or skipped alike), else beyond its latest trained step."""
         inflight = sum(1 for d, _ in self._inflight if d.kind == "batch")
-        p = self.progress
-        consumed = p.consumed if p is not None and p.consumed >= 0 else self.trained_steps
-        return sum(self._batch_hw.values()) + inflight - consumed
+        return sum(self._batch_hw.values()) + inflight - self.pace.consumed()
 
     async def _decide(self, *, final: bool) -> None:
         room, future, reference = None, None, None
         if self.cfg.max_batches_ahead > 0:
             ahead = max(0, self.batches_ahead())
             room = max(0, self.cfg.max_batches_ahead - ahead)
-            future, reference = self._future_versions(ahead)
-        decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.latest_version,
+            future, reference = self.pace.future_versions(ahead)
+        decisions = self.state.take_decisions(now=time.monotonic(), latest_version=self.pace.latest_version,
                                               final=final, max_batches=room, future_versions=future,
                                               reference_version=reference,
                                               fenced=self.fence.fenced if self.fence is not None else None)

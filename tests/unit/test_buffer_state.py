@@ -286,24 +286,21 @@ def test_each_cut_batch_is_checked_against_the_lag_it_will_have():
 
 def test_future_versions_follow_the_trainers_progress():
     """The buffer's count of the versions a trainer may still publish before a batch cut now trains."""
-    import collections
-
-    from buffer.service import BufferRole
+    from buffer.pace import TrainerPace
     from topics.schemas import TrainerProgress
 
-    role = object.__new__(BufferRole)  # only the fields _future_versions reads
-    role.latest_version, role.trained_steps, role.published_step, role.progress = 7, 10, 9, None
-    role._progress_seen = collections.deque(maxlen=20)
-    f, ref = role._future_versions(1)
+    pace = TrainerPace()
+    pace.latest_version, pace.trained_steps, pace.published_step = 7, 10, 9
+    f, ref = pace.future_versions(1)
     assert ref == 7 and [f(j) for j in range(3)] == [2, 3, 4]  # no progress: one per batch, one owed
-    role.progress = TrainerProgress(step=10, version=8, published_step=10, publish_every=1)
-    f, ref = role._future_versions(1)
+    pace.progress = TrainerProgress(step=10, version=8, published_step=10, publish_every=1)
+    f, ref = pace.future_versions(1)
     assert ref == 8 and [f(j) for j in range(3)] == [1, 2, 3]  # version 8 in flight already counts in ref
-    role.progress = TrainerProgress(step=11, version=8, published_step=10, publish_every=2)
-    f, ref = role._future_versions(1)
+    pace.progress = TrainerProgress(step=11, version=8, published_step=10, publish_every=2)
+    f, ref = pace.future_versions(1)
     assert [f(j) for j in range(4)] == [1, 1, 2, 2]  # a version per two steps: 1 unpublished + queued
-    role._progress_seen.extend([(0, 0), (40, 10)])  # publish_busy skip: a version per four steps seen
-    role.progress = TrainerProgress(step=11, version=8, published_step=11, publish_every=1)
-    f, _ = role._future_versions(2)
+    pace._seen.extend([(0, 0), (40, 10)])  # publish_busy skip: a version per four steps seen
+    pace.progress = TrainerProgress(step=11, version=8, published_step=11, publish_every=1)
+    f, _ = pace.future_versions(2)
     assert [f(j) for j in range(4)] == [1, 1, 1, 2]  # ceil(steps x 0.25): the rate seen, not one a step
 
