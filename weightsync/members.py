@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from topics.names import MAX_MEMBER_ID, valid_member_id
 from topics.schemas import Membership, VersionAck
 
 FENCED_KEY = "fenced"
@@ -157,6 +158,26 @@ class Registry:
             return prior
         f = self.fenced[generator_id] = Fence(last, now, missed_version)
         return f
+
+    def refuse_membership(self, mem: Membership, *, max_members: int) -> str:
+        """Why a membership message is refused, or '': an id that is not ``valid_member_id``, or a new member
+        beyond ``max_members``."""
+        if not valid_member_id(mem.generator_id):
+            return (f"generator id {mem.generator_id[:40]!r}... ({len(mem.generator_id)} characters) is not 1 to "
+                    f"{MAX_MEMBER_ID} letters, digits and . _ : @ -")
+        if mem.event != "leave" and mem.generator_id not in self.members and len(self.members) >= max_members:
+            return f"{mem.event} of {mem.generator_id!r}: already weightsync.max_members {max_members} members"
+        return ""
+
+    def refuse_ack(self, ack: VersionAck, *, published: int) -> str:
+        """Why an ack is refused, or '': a version newer than ``published`` (never published), or not from a
+        member."""
+        if ack.version > published:
+            return (f"ack from {ack.generator_id[:MAX_MEMBER_ID]!r} for version {ack.version}, never published "
+                    f"(latest {published})")
+        if ack.generator_id not in self.members:
+            return f"ack from {ack.generator_id[:MAX_MEMBER_ID]!r}, which is not a member"
+        return ""
 
     def fenced_json(self) -> bytes:
         return orjson.dumps({gid: f.to_json() for gid, f in sorted(self.fenced.items())})

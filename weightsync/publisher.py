@@ -31,39 +31,38 @@ subject as the source and the reason):
 * a round waits for a member whose handshake is not done (``members.py``) only until its ``handshake_timeout_s``
   is up, then drops and fences it: a join that never completes the handshake costs no round its ack deadline;
 * an ack for a version this trainer never published, or from a generator that is not a member, is refused;
-* the trainer owns the ``latest`` key: when its compare-and-set fails because the value there does not decode, or
-  is an older version written by someone else, that value is dead-lettered (``kv:<bucket>/latest``) and the key
-  rewritten from the trainer's state; only the same or a newer version written by another trainer (this one is a
-  zombie) stops it (``StaleWriter``). A restarted trainer reads past a bad value the same way.
-* a failed write of the fencing record is retried (next round, and in the background) and counted, never dropped.
+* the trainer owns the ``latest`` key: a value there that does not decode, or an older version written by someone
+  else, is dead-lettered and rewritten; only a newer version of another trainer stops it (``StaleWriter``); a
+  failed write of the fencing record is retried until it lands (``weightsync/policy_kv.py``).
+
+Each member's pair group and sender thread: ``weightsync/pairs.py``; the membership state: ``weightsync/members.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Self
 
-import nats.errors
 import orjson
 import torch
 
 from topics import codec
-from topics.errors import CodecError, ConfigError, InvalidMessage, StaleWriter, StreamforgeError
-from topics.names import MAX_MEMBER_ID, Names, valid_member_id
+from topics.errors import CodecError, ConfigError, InvalidMessage, StreamforgeError
+from topics.names import MAX_MEMBER_ID, Names
 from topics.nats import OnBadMessage, PolicyStore, publish_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
-from weightsync.collective import Rendezvous, device_of, nccl_usable, release, send_push, trainer_pair
+from weightsync.collective import Rendezvous, device_of, nccl_usable, trainer_pair
 from weightsync.config import COLLECTIVE_TRANSPORTS, NCCL_TRANSPORTS, WeightSyncConfig
 from weightsync.files import write_version
 from weightsync.members import FENCED_KEY, Member, Registry
+from weightsync.pairs import Pair, call_soon, queue_push
+from weightsync.policy_kv import PolicyKV
 from weightsync.wire import Snapshot, pack
 
 log = logging.getLogger("streamforge.weightsync.publisher")
@@ -73,28 +72,6 @@ class VersionRegression(StreamforgeError):
     """A version not newer than the one already in the store; continue from ``publisher.latest_version + 1``."""
 
     retriable = False
-
-
-@dataclass(slots=True)
-class _Pair:
-    """The trainer's end of one generator's pair group: its sender thread and the group (once rendezvous is done)."""
-
-    session: str
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "weightsync-send"))
-    group: Future | None = None
-    broken: bool = False
-
-    def close(self) -> None:
-        self.broken = True
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        release(self.group)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
-    """``loop.call_soon_threadsafe`` from a pair's thread; a loop already closed (the trainer stopped while a
-    rendezvous was still waiting) has nobody left to tell."""
-    with contextlib.suppress(RuntimeError):
-        loop.call_soon_threadsafe(fn, *args)
 
 
 def _metric(key: str, value: float) -> None:
@@ -121,9 +98,8 @@ class WeightPublisher:
         self.registry = Registry(member_timeout_s=cfg.member_timeout_s)
         self.counters: Counter[str] = Counter()
         self.latest_version = -1
-        # what to do with a membership or ack message that does not decode (the trainer dead-letters it)
-        self.on_bad: OnBadMessage | None = None
-        self._rev = 0
+        self.kv = PolicyKV(self.store, self.registry, timeout_s=cfg.timeout_s, counters=self.counters,
+                           metric=_metric)
         self._latest: Snapshot | None = None
         self._latest_pv: PolicyVersion | None = None
         self._rdzv: Rendezvous | None = None
@@ -134,11 +110,19 @@ class WeightPublisher:
         self._acks_done = asyncio.Event()
         self._round_acks: dict[str, dict[str, Any]] = {}
         self._subs: list[Any] = []
-        self._detached: dict[str, _Pair] = {}  # pairs of members expired for silence, kept in case they are alive
-        self._bg: set[asyncio.Task] = set()
-        self._fence_dirty = False  # the last write of the fencing record failed: retried
+        self._detached: dict[str, Pair] = {}  # pairs of members expired for silence, kept in case they are alive
         self._started = False
         self._stopped = False
+
+    @property
+    def on_bad(self) -> OnBadMessage | None:
+        """What to do with a membership or ack message that does not decode, or a policy-store value this trainer
+        cannot use (the trainer dead-letters them)."""
+        return self.kv.on_bad
+
+    @on_bad.setter
+    def on_bad(self, fn: OnBadMessage | None) -> None:
+        self.kv.on_bad = fn
 
     @property
     def collective(self) -> bool:
@@ -161,7 +145,7 @@ class WeightPublisher:
             raise ConfigError("weightsync.transport", f"{self.transport} needs a CUDA device and a torch built with NCCL")
         self._started = True
         await self.store.start()
-        pv, self._rev = await self.store.latest_good(on_bad=self._bad_latest)
+        pv = await self.kv.read_latest()
         self.latest_version = pv.version if pv is not None else -1
         self.registry.latest_version = self.latest_version
         self.registry.load_fenced(await self.store.get(FENCED_KEY))
@@ -189,10 +173,9 @@ class WeightPublisher:
                 await sub.unsubscribe()
             except Exception:  # noqa: BLE001, S110 - the connection may already be closed at shutdown
                 pass
-        for task in list(self._bg):
-            task.cancel()
+        self.kv.stop()
         for m in self.registry.members.values():
-            if isinstance(m.state, _Pair):
+            if isinstance(m.state, Pair):
                 m.state.close()
         for pair in self._detached.values():
             pair.close()
@@ -249,7 +232,7 @@ class WeightPublisher:
                                                   keep=self.cfg.keep_versions))
         else:
             pv.address = self.address
-        sends: dict[str, tuple[_Pair, asyncio.Future]] = {}
+        sends: dict[str, tuple[Pair, asyncio.Future]] = {}
         async with self._lock:
             now = time.time()
             for m in self.registry.expire(now=now):
@@ -259,7 +242,7 @@ class WeightPublisher:
                 if m.generator_id not in self.registry.fenced:
                     self.counters["fenced"] += 1
                 self.registry.fence(m.generator_id, version, now=now, last_acked=m.acked_version)
-                if isinstance(m.state, _Pair) and not m.state.broken:
+                if isinstance(m.state, Pair) and not m.state.broken:
                     self._detached[m.generator_id] = m.state  # re-attached if it turns out to be alive
             if self.collective:  # one known from heartbeats only joins on this version: its handshake starts now
                 for m in self.registry.members.values():
@@ -281,22 +264,23 @@ class WeightPublisher:
             if not self._waiting:
                 self._acks_done.set()
             self.registry.latest_version = version
-            self._rev = await self._store_version(pv)
+            await self.kv.store_version(pv)
             self._latest_pv = pv
             if self.collective:
                 self._latest = snapshot
                 for m in self.registry.members.values():
                     if self._reachable(m):
-                        sends[m.generator_id] = (m.state, self._queue_push(m.state, m.generator_id, snapshot))
+                        sends[m.generator_id] = (m.state, queue_push(m.state, m.generator_id, snapshot,
+                                                                          timeout_s=self.cfg.timeout_s))
                 # best effort to members expired for silence: a starved but live one still gets the version (its
                 # heartbeat re-attaches it); a dead one fails its push, and nobody waits for either
                 for gid, pair in list(self._detached.items()):
-                    fut = self._queue_push(pair, gid, snapshot)
+                    fut = queue_push(pair, gid, snapshot, timeout_s=self.cfg.timeout_s)
                     fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_detached_push_done(gid, pair, f))
         for gid, (pair, fut) in sends.items():
             fut.add_done_callback(lambda f, gid=gid, pair=pair: self._on_push_done(gid, version, pair, f))
-        if self._fence_dirty:  # a failed write of an earlier round: retried now
-            await self._write_fenced()
+        if self.kv.fence_dirty:  # a failed write of an earlier round: retried now
+            await self.kv.write_fenced()
         if not await self._wait_for_acks():
             late = sorted(self._waiting)
             log.warning("version %d: no ack within %.1f s from %s: fencing", version, self.cfg.ack_deadline_s, late)
@@ -304,7 +288,7 @@ class WeightPublisher:
             for gid in late:
                 self._fence(gid, version)
         self._waiting = set()
-        await self._write_fenced()
+        await self.kv.write_fenced()
         round_s = time.perf_counter() - t0
         self.counters["rounds"] += 1
         _metric("weightsync/round_s", round_s)
@@ -334,21 +318,9 @@ class WeightPublisher:
 
     # -- transport --------------------------------------------------------------------------------
     def _reachable(self, m: Member) -> bool:
-        return isinstance(m.state, _Pair) and not m.state.broken
+        return isinstance(m.state, Pair) and not m.state.broken
 
-    def _queue_push(self, pair: _Pair, peer: str, snapshot: Snapshot) -> asyncio.Future:
-        timeout = self.cfg.timeout_s
-
-        def push() -> float:
-            if pair.broken:
-                raise RuntimeError("pair group already broken")
-            assert pair.group is not None
-            group = pair.group.result(timeout=timeout)
-            return send_push(group, snapshot, peer=peer)
-
-        return asyncio.wrap_future(pair.executor.submit(push))
-
-    def _on_detached_push_done(self, gid: str, pair: _Pair, fut: asyncio.Future) -> None:
+    def _on_detached_push_done(self, gid: str, pair: Pair, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is None:
             return
         self.counters["transfer_failures"] += 1
@@ -357,7 +329,7 @@ class WeightPublisher:
         if self._detached.get(gid) is pair:
             del self._detached[gid]
 
-    def _on_push_done(self, gid: str, version: int, pair: _Pair, fut: asyncio.Future) -> None:
+    def _on_push_done(self, gid: str, version: int, pair: Pair, fut: asyncio.Future) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -389,7 +361,7 @@ class WeightPublisher:
             return
         log.debug("membership %s from %s (version %d)", mem.event, mem.generator_id[:MAX_MEMBER_ID],
                   mem.version)
-        refusal = self._refuse_membership(mem)
+        refusal = self.registry.refuse_membership(mem, max_members=self.cfg.max_members)
         if refusal:
             self.counters["refused_joins"] += 1
             if self.counters["refused_joins"] <= 10 or self.counters["refused_joins"] % 1000 == 0:
@@ -409,32 +381,32 @@ class WeightPublisher:
             if mem.event == "leave":
                 log.info("generator %s left", mem.generator_id)
                 self._waiting.discard(mem.generator_id)
-                if isinstance(old_state, _Pair):
+                if isinstance(old_state, Pair):
                     old_state.close()
                 if not self._waiting:
                     self._acks_done.set()
                 return
             if mem.event != "join" or m is None:
-                if m is not None and m.state is None and isinstance(old_state, _Pair):
+                if m is not None and m.state is None and isinstance(old_state, Pair):
                     m.state = old_state  # a member that was expired for silence, back with its pair intact
                     group = old_state.group
                     m.confirmed = group is not None and group.done() and group.exception() is None
                 return
             log.info("generator %s joined (pid %d, version %d)", mem.generator_id, mem.pid, mem.version)
-            if isinstance(old_state, _Pair):
+            if isinstance(old_state, Pair):
                 old_state.close()
             m.state = None
             reply = self._latest_pv
             if self.collective and self._rdzv is not None and msg.reply:  # a plain announcement opens no pair
-                pair = _Pair(session=m.session)
+                pair = Pair(session=m.session)
                 pair.group = pair.executor.submit(trainer_pair, self._rdzv, m.session, timeout_s=self.cfg.timeout_s,
                                                   backend=self.transport, device=self._pair_device())
                 loop = asyncio.get_running_loop()
-                pair.group.add_done_callback(lambda f, gid=m.generator_id, pair=pair: _call_soon(
+                pair.group.add_done_callback(lambda f, gid=m.generator_id, pair=pair: call_soon(
                     loop, self._on_pair_ready, gid, pair, f))
                 m.state = pair
                 if self._latest is not None and self._latest.version > mem.version:
-                    fut = self._queue_push(pair, m.generator_id, self._latest)
+                    fut = queue_push(pair, m.generator_id, self._latest, timeout_s=self.cfg.timeout_s)
                     v = self._latest.version
                     fut.add_done_callback(lambda f, gid=m.generator_id, v=v, pair=pair:
                                           self._on_push_done(gid, v, pair, f))
@@ -455,7 +427,7 @@ class WeightPublisher:
             if self.on_bad is not None:
                 await self.on_bad(msg.subject, bytes(msg.data), exc)
             return
-        refusal = self._refuse_ack(ack)
+        refusal = self.registry.refuse_ack(ack, published=self.latest_version)
         if refusal:
             self.counters["refused_acks"] += 1
             if self.counters["refused_acks"] <= 10 or self.counters["refused_acks"] % 1000 == 0:
@@ -466,7 +438,7 @@ class WeightPublisher:
         unfenced = self.registry.on_ack(ack)
         if unfenced:
             log.info("generator %s caught up at version %d: unfenced", ack.generator_id, ack.version)
-            self._spawn(self._write_fenced())
+            self.kv.spawn(self.kv.write_fenced())
         if ack.version == self._round_version:
             self._round_acks[ack.generator_id] = {"ok": ack.ok, "pause_ms": ack.pause_ms,
                                                   "transfer_ms": ack.transfer_ms, "at": ack.created_at,
@@ -478,27 +450,7 @@ class WeightPublisher:
                 self._fence(ack.generator_id, ack.version)
             self._done_waiting(ack.generator_id)
 
-    def _refuse_membership(self, mem: Membership) -> str:
-        """Why a membership message is refused, or ''."""
-        if not valid_member_id(mem.generator_id):
-            return (f"generator id {mem.generator_id[:40]!r}... ({len(mem.generator_id)} characters) is not 1 to "
-                    f"{MAX_MEMBER_ID} letters, digits and . _ : @ -")
-        if (mem.event != "leave" and mem.generator_id not in self.registry.members
-                and len(self.registry.members) >= self.cfg.max_members):
-            return (f"{mem.event} of {mem.generator_id!r}: already weightsync.max_members {self.cfg.max_members} "
-                    "members")
-        return ""
-
-    def _refuse_ack(self, ack: VersionAck) -> str:
-        """Why an ack is refused, or '': a version this trainer never published, or not from a member."""
-        if ack.version > self.latest_version:
-            return (f"ack from {ack.generator_id[:MAX_MEMBER_ID]!r} for version {ack.version}, never published "
-                    f"(latest {self.latest_version})")
-        if ack.generator_id not in self.registry.members:
-            return f"ack from {ack.generator_id[:MAX_MEMBER_ID]!r}, which is not a member"
-        return ""
-
-    def _on_pair_ready(self, gid: str, pair: _Pair, fut: Future) -> None:
+    def _on_pair_ready(self, gid: str, pair: Pair, fut: Future) -> None:
         """A member's pair group came up (in the event loop): its handshake is done, it is confirmed."""
         m = self.registry.members.get(gid)
         if m is not None and m.state is pair and not fut.cancelled() and fut.exception() is None:
@@ -512,15 +464,8 @@ class WeightPublisher:
             if m.generator_id in self._waiting:  # it missed this round's version: fenced (it expires, never acked)
                 self._fence(m.generator_id, self._round_version)
                 self._done_waiting(m.generator_id)
-            if isinstance(m.state, _Pair):
+            if isinstance(m.state, Pair):
                 m.state.close()
-
-    async def _bad_latest(self, source: str, value: bytes, exc: CodecError) -> None:
-        """A value of ``latest`` this trainer did not write and cannot use: counted and dead-lettered."""
-        self.counters["bad_latest"] += 1
-        log.warning("the policy store's latest value is not this trainer's (%s): it will be rewritten", exc)
-        if self.on_bad is not None:
-            await self.on_bad(source, value, exc)
 
     def _done_waiting(self, gid: str) -> None:
         self._waiting.discard(gid)
@@ -532,89 +477,6 @@ class WeightPublisher:
             self.counters["fenced"] += 1
             log.warning("generator %s fenced at version %d", gid, version)
         self.registry.fence(gid, version)
-
-    async def _store_version(self, pv: PolicyVersion) -> int:
-        """Compare-and-set ``pv`` into the KV store. The trainer owns the key (module docstring): when the set
-        fails, the value there decides. This trainer's own earlier write of ``pv`` (an attempt that timed out
-        during a NATS outage, then landed) is success; a value that does not decode, or an older or equal version
-        written by someone else, is dead-lettered and overwritten (compare-and-set on its revision); a newer
-        version from another trainer raises ``StaleWriter``. Each attempt is bounded by ``timeout_s``; an
-        unreachable store is retried with backoff."""
-        delay = 0.5
-        while True:
-            try:
-                return await asyncio.wait_for(self.store.publish(pv, expected_revision=self._rev), self.cfg.timeout_s)
-            except StaleWriter:
-                value, rev = await asyncio.wait_for(self.store.entry(self.names.LATEST_KEY), self.cfg.timeout_s)
-                verdict = await self._after_failed_set(pv, value, rev)
-                if verdict == "ours":
-                    return rev
-                if verdict == "stale":
-                    raise
-                self._rev = rev  # "overwrite": compare-and-set again, on the revision found there
-            except (TimeoutError, nats.errors.Error, OSError) as exc:
-                self.counters["kv_failures"] += 1
-                log.warning("version %d: the policy store is unreachable (%s: %s); retrying in %.1f s",
-                            pv.version, type(exc).__name__, exc, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    async def _after_failed_set(self, pv: PolicyVersion, value: bytes | None, rev: int) -> str:
-        """What the value at revision ``rev`` means for ``pv`` after a failed compare-and-set (``_store_version``):
-        ``"ours"`` (this very write had landed), ``"overwrite"`` (dead-lettered; write ``pv`` on ``rev``) or
-        ``"stale"`` (a newer version of another trainer)."""
-        if value is None:
-            return "overwrite"  # deleted or purged: ours to write again
-        try:
-            there = codec.decode(value, expect=PolicyVersion)
-        except CodecError as exc:
-            await self._bad_latest(self.store.latest_source, value, exc)
-            return "overwrite"
-        if there.trainer_id == pv.trainer_id and there.version == pv.version:
-            return "ours"
-        if there.trainer_id != pv.trainer_id and there.version >= pv.version:
-            log.error("version %d: trainer %r already published version %d: this trainer is stale", pv.version,
-                      there.trainer_id, there.version)
-            return "stale"
-        await self._bad_latest(self.store.latest_source, value, InvalidMessage(
-            f"version {there.version} of {there.trainer_id!r} at revision {rev}, not written by this trainer"))
-        return "overwrite"
-
-    async def _write_fenced(self) -> None:
-        """Write the fencing record; a failure is counted, reported and retried (the next round, and a background
-        retry with backoff), never silently left stale."""
-        try:
-            await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.cfg.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - never fail a round on the bookkeeping write; it is retried
-            self.counters["kv_failures"] += 1
-            self.counters["fence_write_failures"] += 1
-            _metric("weightsync/fence_write_failures", self.counters["fence_write_failures"])
-            log.error("could not write the fencing record (%d bytes, %d fenced): %s; retrying",
-                      len(self.registry.fenced_json()), len(self.registry.fenced), exc)
-            if not self._fence_dirty:
-                self._fence_dirty = True
-                self._spawn(self._retry_fenced())
-            return
-        self._fence_dirty = False
-
-    async def _retry_fenced(self) -> None:
-        delay = 0.5
-        while self._fence_dirty and not self._stopped:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-            self._fence_dirty = False  # _write_fenced sets it again on failure, without a second retry task
-            try:
-                await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.cfg.timeout_s)
-                log.info("fencing record written after a retry")
-            except Exception as exc:  # noqa: BLE001 - retried until it lands or the publisher stops
-                self._fence_dirty = True
-                self.counters["fence_write_failures"] += 1
-                log.warning("fencing record retry failed: %s", exc)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
 
     def _provenance(self, pv: PolicyVersion, snapshot: Snapshot, *, targets: list[str], round_s: float,
                     snapshot_s: float) -> None:

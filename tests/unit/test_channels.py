@@ -19,6 +19,7 @@ ROLE_OF = {
     "producers/pipeline.py": "generator", "weightsync/receiver.py": "generator", "producers/feeder.py": "feeder",
     "buffer/service.py": "buffer", "buffer/recovery.py": "buffer", "weightsync/fencing.py": "buffer",
     "consumers/trainer.py": "trainer", "consumers/source.py": "trainer", "weightsync/publisher.py": "trainer",
+    "weightsync/policy_kv.py": "trainer",
     "streamforge/audit.py": "audit", "streamforge/status.py": "status", "streamforge/tail.py": "tail",
 }
 KAFKA_READERS = {"Consumer", "RecordSource", "read_topic", "DropRefunds"}  # GroupOffsets reads offsets only
