@@ -25,6 +25,7 @@ Variants: ``--task addmod10 --max-tokens 2`` (default) and a generation-heavy on
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -112,7 +113,66 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     for row in read_metrics(run_dir / "metrics.jsonl"):
         deadline_rows.append((float(row["time_s"]), float(row.get("reward_mean", 0.0))))
     secs, best = time_to_target(deadline_rows, args.target, args.window)
-    return {"seconds": secs, "best_reward": best, "steps": len(deadline_rows), "exit_code": result.exit_code}
+    return {"seconds": secs, "best_reward": best, "steps": len(deadline_rows), "exit_code": result.exit_code,
+            "run_dir": run_dir}
+
+
+def breakdown(run_dir: Path) -> dict[str, float]:
+    """Where a step's time goes, from the run's ``traces.jsonl``: medians in ms.
+
+    Trainer side, per step: ``step_period`` (start to start), ``train`` (``trainer.step``), ``publish``
+    (``trainer.publish``), ``trainer_wait`` (period minus both: waiting for a batch). Per episode, along its trace:
+    ``hop_prompt`` (feeder's send to the generator's start), ``generate``, ``reward``, ``produce``,
+    ``buffer_wait`` (an episode produced to the batch that holds it: its Kafka hop, its group's other samples and
+    the batch filling up), ``hop_batch`` (the buffer's batch to the trainer's step on it), ``publish_to_swap``
+    (the trainer's publish to a generator's swap starting) and ``swap``.
+    """
+    import statistics
+
+    spans = [orjson.loads(line) for line in (run_dir / "traces.jsonl").read_bytes().splitlines() if line.strip()]
+    by_id = {s["span_id"]: s for s in spans}
+
+    def ms(ns: float) -> float:
+        return ns / 1e6
+
+    def dur(s: dict) -> float:
+        return ms(s["end_time"] - s["start_time"])
+
+    parts: dict[str, list[float]] = {}
+
+    def add(key: str, value: float) -> None:
+        parts.setdefault(key, []).append(value)
+
+    steps = sorted((s for s in spans if s["name"] == "trainer.step"), key=lambda s: s["start_time"])
+    publish = {s["parent_span_id"]: s for s in spans if s["name"] == "trainer.publish"}
+    for a, b in itertools.pairwise(steps):
+        period = ms(b["start_time"] - a["start_time"])
+        pub = dur(publish[a["span_id"]]) if a["span_id"] in publish else 0.0
+        add("step_period", period)
+        add("trainer_wait", max(0.0, period - dur(a) - pub))
+    for s in spans:
+        parent = by_id.get(s["parent_span_id"] or "")
+        name = s["name"]
+        if name == "trainer.step":
+            add("train", dur(s))
+            if parent is not None:
+                add("hop_batch", ms(s["start_time"] - parent["end_time"]))
+        elif name == "trainer.publish":
+            add("publish", dur(s))
+        elif name == "generator.prompt" and parent is not None:
+            add("hop_prompt", ms(s["start_time"] - parent["end_time"]))
+        elif name in ("generator.generate", "generator.reward", "generator.produce"):
+            add(name.split(".")[1], dur(s))
+        elif name == "buffer.batch":
+            for link in s["links"]:
+                if (src := by_id.get(link["span_id"])) is not None:
+                    add("buffer_wait", ms(s["start_time"] - src["end_time"]))
+        elif name == "generator.swap":
+            add("swap", dur(s))
+            for link in s["links"]:
+                if (src := by_id.get(link["span_id"])) is not None:
+                    add("publish_to_swap", ms(s["start_time"] - src["end_time"]))
+    return {k: round(statistics.median(v), 1) for k, v in parts.items() if v}
 
 
 def main() -> None:
@@ -129,6 +189,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=900.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="print where a streamforge step's time goes (medians from each run's traces, in ms)")
     p.add_argument("--filter-zero-variance", type=int, default=1,
                    help="streamforge (sync and async alike) drops zero-variance groups, as the demo (TRL does not)")
     args = p.parse_args()
@@ -151,6 +213,12 @@ def main() -> None:
     for name, r in res.items():
         print(f"{name:6s} time to {args.target}: {r['seconds']} s  best running reward {r['best_reward']:.3f}  "
               f"steps {r['steps']}")
+    phases = {}
+    if args.breakdown:
+        for name in ("sync", "async"):
+            if name in res:
+                phases[name] = breakdown(res[name]["run_dir"])
+                print(f"{name:6s} breakdown (ms, medians):", orjson.dumps(phases[name]).decode())
     a = res.get("trl", {}).get("seconds")
     b = res.get("sync", {}).get("seconds")
     c = res.get("async", {}).get("seconds")
@@ -158,6 +226,7 @@ def main() -> None:
         "bench": "e2e", "task": args.task, "max_tokens": args.max_tokens, "trl_s": a, "sync_s": b, "async_s": c,
         "speedup_vs_trl": (a / c) if a and c else None, "speedup_vs_sync": (b / c) if b and c else None,
         "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()},
+        **({"breakdown": phases} if phases else {}),
     }).decode())
 
 

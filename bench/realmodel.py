@@ -154,20 +154,31 @@ def trl_worker(args: argparse.Namespace) -> None:
 
 
 def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
-    t0 = time.time()
-    proc = subprocess.run([sys.executable, __file__, "--worker", "trl", "--out", str(out), "--config", args.config,
-                           "--budget-s", str(args.budget_s), "--target", str(args.target), "--window",
-                           str(args.window), "--trl-configs", args.trl_configs],
-                          cwd=ROOT, capture_output=True, text=True, check=False)
-    (out / "trl.log").write_text(proc.stdout + proc.stderr)
-    info: dict[str, Any] = {"trl_config": None, "tried": []}
-    for line in proc.stdout.splitlines():
-        if line.startswith('{"trl_config"'):
-            info = orjson.loads(line)
-    path = out / "trl.jsonl"
-    rows = [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
-    return {"rows": [(r["time"], float(r["reward"])) for r in rows], "t_start": t0, "exit_code": proc.returncode,
-            **info}
+    """Each TRL configuration in a fresh worker process, in order, until one trains: a failed one can leave a
+    process group or vLLM's environment behind that the next one must not inherit."""
+    tried: list[str] = []
+    logs = []
+    for name in args.trl_configs.split(","):
+        (out / "trl.jsonl").unlink(missing_ok=True)
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, __file__, "--worker", "trl", "--out", str(out), "--config",
+                               args.config, "--budget-s", str(args.budget_s), "--target", str(args.target),
+                               "--window", str(args.window), "--trl-configs", name],
+                              cwd=ROOT, capture_output=True, text=True, check=False)
+        logs.append(f"== TRL configuration {name} (exit {proc.returncode})\n{proc.stdout}{proc.stderr}")
+        info: dict[str, Any] = {"trl_config": None, "tried": []}
+        for line in proc.stdout.splitlines():
+            if line.startswith('{"trl_config"'):
+                info = orjson.loads(line)
+        path = out / "trl.jsonl"
+        rows = [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+        if info["trl_config"] == name and rows:
+            (out / "trl.log").write_text("\n".join(logs))
+            return {"rows": [(r["time"], float(r["reward"])) for r in rows], "t_start": t0,
+                    "exit_code": proc.returncode, "trl_config": name, "tried": tried + info["tried"]}
+        tried += info["tried"] or [f"{name}: exit {proc.returncode}, no step logged ({proc.stderr.strip()[-300:]})"]
+    (out / "trl.log").write_text("\n".join(logs))
+    return {"rows": [], "t_start": time.time(), "exit_code": None, "trl_config": None, "tried": tried}
 
 
 # -- streamforge --------------------------------------------------------------------------------------------

@@ -243,7 +243,8 @@ def export_hf(policy: Policy, out_dir: str | Path, source_dir: str | Path | None
 
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: float = 1.0,
                    with_entropy: bool = False, position_ids: torch.Tensor | None = None,
-                   segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   segment_ids: torch.Tensor | None = None,
+                   scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities aligned with the Batch convention (``topics/schemas.py``).
 
     ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``t >= 1`` and ``out[b, 0] = 0``: the model's
@@ -255,31 +256,61 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
     its own segment (a block-diagonal causal mask, ``segment_mask``), RoPE uses ``position_ids`` (restarting at 0
     in each segment), and ``out`` is 0 at each segment's first token (nothing of its own before it), so each
     segment scores exactly as it would alone in a padded row.
+
+    ``scored`` (``[B, T]`` bool, e.g. the loss mask): only those positions are needed; the others come back 0. On
+    a single-device decoder the vocabulary projection, softmax and entropy then run on those positions only (the
+    lm_head over a 49k vocabulary is a large share of a step, and prompt positions need none of it); a sharded
+    model (DTensor lm_head) computes every position as without it.
     """
-    if segment_ids is None:
-        logits = model(input_ids.long())
-    else:
+    args = (input_ids.long(),)
+    if segment_ids is not None:
         if position_ids is None:
             raise ValueError("packed rows need position_ids with segment_ids")
         _allow_dense_masks(model)
-        logits = model(input_ids.long(), position_ids.long(), segment_mask(segment_ids))
-    logits = logits[:, :-1].float()
+        args = (input_ids.long(), position_ids.long(), segment_mask(segment_ids))
+    head = _local_lm_head(model) if scored is not None else None
+    target = input_ids[:, 1:].long()
+    if head is None:
+        logits = model(*args)[:, :-1].float()
+    else:  # position t is scored from the hidden state at t - 1
+        model._skip_lm_head = True
+        try:
+            hidden = model(*args)
+        finally:
+            model._skip_lm_head = False
+        where = scored[:, 1:].bool()
+        logits = head(hidden[:, :-1][where]).float()
+        target = target[where]
     if temperature != 1.0:
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
-    target = input_ids[:, 1:].long().unsqueeze(-1)
-    lp = logp_all.gather(-1, target).squeeze(-1)
+    lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    if head is not None:  # back to [B, T - 1], zeros where nothing was scored
+        lp = torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp)
+        if ent is not None:
+            ent = torch.zeros(where.shape, dtype=ent.dtype, device=ent.device).masked_scatter(where, ent)
     out = torch.nn.functional.pad(lp, (1, 0))
-    ent = None
-    if with_entropy:
-        ent = -(logp_all.exp() * logp_all).sum(-1)
-        ent = torch.nn.functional.pad(ent, (1, 0))
+    ent = torch.nn.functional.pad(ent, (1, 0)) if ent is not None else None
     if segment_ids is not None:  # a segment's first token is scored from another segment's last: not a logprob
         first = torch.ones_like(segment_ids, dtype=torch.bool)
         first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
         out = out.masked_fill(first, 0.0)
         ent = ent.masked_fill(first, 0.0) if ent is not None else None
     return out, ent
+
+
+def _local_lm_head(model: nn.Module) -> nn.Module | None:
+    """The decoder's lm_head when hidden states can be projected at chosen positions (a torchtitan decoder whose
+    head is not sharded), else None."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(model, "_skip_lm_head"):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in head.parameters()):
+        return None
+    return head
 
 
 def segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ class StepInputs:
     packed rows, ``input_ids``, ``position_ids`` and ``segment_ids`` ``[R, W]``; ``per_episode`` maps what
     ``token_logprobs`` returns for those rows back to the ``[B, T]`` episode layout (``unpack_index`` holds each
     episode token's flat index into the rows, ``unpack_valid`` where an episode has a token), so every loss sees
-    the same tensors whichever layout the buffer chose.
+    the same tensors whichever layout the buffer chose. ``scored`` marks the response tokens in the layout the
+    model runs on: the only positions whose logprobs the loss reads.
     """
 
     input_ids: torch.Tensor
@@ -39,6 +40,7 @@ class StepInputs:
     segment_ids: torch.Tensor | None = None
     unpack_index: torch.Tensor | None = None
     unpack_valid: torch.Tensor | None = None
+    scored: torch.Tensor | None = None  # the response positions in the layout of ``input_ids`` (``token_logprobs``)
 
     @property
     def tokens(self) -> int:
@@ -71,11 +73,13 @@ def batch_inputs(batch: Batch, device: torch.device | str = "cpu") -> StepInputs
     t = min(trim_width(batch), batch.input_ids.shape[1])
     if batch.packed:
         return _packed_inputs(batch, t, device)
+    mask = _tensor(batch.loss_mask[:, :t], torch.float32, device)
     return StepInputs(
         input_ids=_tensor(batch.input_ids[:, :t], torch.long, device),
-        mask=_tensor(batch.loss_mask[:, :t], torch.float32, device),
+        mask=mask,
         old_logprobs=_tensor(batch.old_logprobs[:, :t], torch.float32, device),
         advantages=_tensor(batch.advantages, torch.float32, device),
+        scored=mask > 0,
     )
 
 
@@ -103,6 +107,7 @@ def _packed_inputs(batch: Batch, w: int, device: torch.device | str) -> StepInpu
         segment_ids=_tensor(seg, torch.long, device),
         unpack_index=_tensor(unpack, torch.long, device),
         unpack_valid=_tensor(valid, torch.bool, device),
+        scored=_tensor(batch.loss_mask[:, :w] > 0, torch.bool, device),
     )
 
 
@@ -134,7 +139,7 @@ def rl_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loss_fn: LossFn
     """One policy-gradient step on a whole batch; returns the loss metrics plus grad_norm, lr, tokens, time."""
     t0 = time.perf_counter()
     model.train()
-    packing = {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids}
+    packing = {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids, "scored": inputs.scored}
     logprobs, entropy = token_logprobs(model, inputs.input_ids, temperature=temperature, with_entropy=True, **packing)
     logprobs, entropy = inputs.per_episode(logprobs), inputs.per_episode(entropy)
     ref = None
@@ -158,7 +163,7 @@ def sft_step(model: nn.Module, opt: torch.optim.Optimizer, sched, input_ids: tor
     (``logprobs, mask -> loss, metrics``): a data-parallel share of it (``consumers.engine``)."""
     t0 = time.perf_counter()
     model.train()
-    logprobs, _ = token_logprobs(model, input_ids)
+    logprobs, _ = token_logprobs(model, input_ids, scored=mask > 0)
     loss, metrics = loss_fn(logprobs, mask)
     lr = float(sched.get_last_lr()[0])
     grad_norm, ok = _apply(model, opt, sched, loss, grad_clip)

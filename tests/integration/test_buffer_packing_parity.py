@@ -77,6 +77,33 @@ def test_packed_and_padded_give_the_same_logprobs_loss_and_gradients(tiny_dir: P
             assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), name
 
 
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_logprobs_at_the_response_positions_only_equal_the_full_projection(tiny_dir: Path, layout: str):
+    """``scored``: the lm_head, softmax and entropy on the response tokens only give the same values there (zeros
+    elsewhere) and the same gradients as the projection of every position."""
+    from consumers.model import load_policy, token_logprobs
+    from consumers.step import batch_inputs
+
+    model = load_policy(tiny_dir, max_seq_len=64).model
+    padded, packed = batches(40)
+    inputs = batch_inputs(padded if layout == "padded" else packed)
+    packing = {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids}
+    scored = inputs.scored
+    assert scored is not None and 0 < int(scored.sum()) < scored.numel()  # prompts and padding are skipped
+    out = {}
+    for name, kwargs in (("full", {}), ("scored", {"scored": scored})):
+        lp, ent = token_logprobs(model, inputs.input_ids, with_entropy=True, **packing, **kwargs)
+        model.zero_grad(set_to_none=True)
+        ((inputs.per_episode(lp) * inputs.mask).sum() + (ent * scored).sum()).backward()
+        out[name] = lp.detach(), ent.detach(), [p.grad.clone() for p in model.parameters()]
+    (lp_full, ent_full, g_full), (lp_part, ent_part, g_part) = out["full"], out["scored"]
+    assert (lp_part[scored] - lp_full[scored]).abs().max() <= 1e-5 and lp_full[scored].abs().min() > 0
+    assert (ent_part[scored] - ent_full[scored]).abs().max() <= 1e-5
+    assert (lp_part[~scored] == 0).all() and (ent_part[~scored] == 0).all()
+    for a, b in zip(g_full, g_part, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_one_rl_step_from_packed_equals_one_from_padded(tiny_dir: Path):
     from consumers.losses import make_loss
     from consumers.model import load_policy

@@ -1,0 +1,133 @@
+"""Trainer-step benchmark: one GRPO step of ``consumers.engine.TrainEngine`` vs a plain transformers step, same rows.
+
+SmolLM2-135M-Instruct (``model.source: smollm2-135m``), fp32, on ``--rows`` rows of ``--prompt`` prompt and
+``--response`` response tokens (the shape of ``configs/smollm2.yaml``: 4 prompts x 8 samples). The baseline is the
+step a TRL user runs, in transformers' own code: ``AutoModelForCausalLM`` forward with ``logits_to_keep`` (TRL's
+way of projecting the completion only), log-softmax and gather at the response tokens, the GRPO token loss,
+backward, ``clip_grad_norm_`` and ``torch.optim.AdamW``. streamforge's step is ``TrainEngine.step`` on the same
+``Batch`` (``scored``: the lm_head at the response tokens only) and, as the lever's control, the same step with
+the projection of every position (``StepInputs.scored = None``). The three alternate; each ratio is the median
+over ``--pairs`` rounds of (baseline seconds) / (streamforge seconds), so > 1 means streamforge is faster.
+Last line: ``{"bench": "trainstep", "step_vs_transformers": X, "full_logits_vs_transformers": Y,
+"scored_speedup": Y_s / X_s, ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from consumers.config import TrainerConfig
+from consumers.engine import TrainEngine
+from consumers.parallel import Dist
+from consumers.step import batch_inputs, rl_step
+from topics.schemas import Batch
+
+
+def grpo_batch(*, rows: int, prompt: int, response: int, vocab: int, seed: int, group: int = 8) -> Batch:
+    """Random token rows shaped like GRPO's (groups of ``group`` with normalised advantages)."""
+    rng = np.random.default_rng(seed)
+    t = prompt + response
+    ids = rng.integers(3, vocab, size=(rows, t), dtype=np.int32)
+    mask = np.zeros((rows, t), np.uint8)
+    mask[:, prompt:] = 1
+    rewards = rng.integers(0, 2, size=rows).astype(np.float32)
+    r = rewards.reshape(-1, group)
+    adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
+    old = np.where(mask == 1, -3.0 + rng.normal(0, 0.05, size=(rows, t)), 0).astype(np.float32)
+    return Batch(batch_id=f"trainstep-{seed}", episode_ids=[f"e{i}" for i in range(rows)],
+                 group_ids=[f"g{i // group}" for i in range(rows)], input_ids=ids, loss_mask=mask,
+                 old_logprobs=old, token_versions=np.where(mask == 1, 0, -1).astype(np.int32), advantages=adv,
+                 rewards=rewards, prompt_lens=np.full(rows, prompt, np.int32), seq_lens=np.full(rows, t, np.int32))
+
+
+class TransformersStep:
+    """The baseline: transformers' model and torch's AdamW, the loss as TRL computes it (``logits_to_keep``)."""
+
+    def __init__(self, model_dir: Path, lr: float) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def step(self, batch: Batch, response: int) -> float:
+        t0 = time.perf_counter()
+        ids = torch.as_tensor(batch.input_ids, dtype=torch.long)
+        mask = torch.as_tensor(batch.loss_mask[:, -response:], dtype=torch.float32)
+        old = torch.as_tensor(batch.old_logprobs[:, -response:])
+        adv = torch.as_tensor(batch.advantages)
+        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=response + 1).logits
+        logits = logits[:, :-1].float()  # the position before each response token predicts it
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, -response:].unsqueeze(-1)).squeeze(-1)
+        ratio = torch.exp(lp - old)
+        per_token = -torch.min(ratio * adv[:, None], torch.clamp(ratio, 0.8, 1.2) * adv[:, None])
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        return time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=36)
+    p.add_argument("--response", type=int, default=32)
+    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--model", default="smollm2-135m")
+    args = p.parse_args()
+
+    from models.hf_models import ensure_source_model
+
+    torch.manual_seed(0)
+    model_dir = ensure_source_model(args.model)
+    vocab = orjson.loads((model_dir / "config.json").read_bytes())["vocab_size"]
+    cfg = TrainerConfig(loss="grpo", lr=1e-6, export_hf=False, grad_clip=1.0)
+    eng = TrainEngine(cfg, model_dir=model_dir, run_dir=tempfile.mkdtemp(), d=Dist(),
+                      max_seq_len=args.prompt + args.response)
+    base = TransformersStep(model_dir, lr=1e-6)
+
+    def full_logits(batch: Batch) -> float:
+        inputs = batch_inputs(batch)
+        inputs.scored = None
+        return rl_step(eng.policy.model, eng.opt, eng.sched, eng.loss_fn, inputs, grad_clip=cfg.grad_clip)["step_s"]
+
+    times: dict[str, list[float]] = {"streamforge": [], "full_logits": [], "transformers": []}
+    for i in range(args.pairs + 1):  # round 0 warms every path up and is not counted
+        batch = grpo_batch(rows=args.rows, prompt=args.prompt, response=args.response, vocab=vocab, seed=i)
+        t0 = time.perf_counter()
+        eng.step(batch)
+        sf = time.perf_counter() - t0
+        full = full_logits(batch)
+        tr = base.step(batch, args.response)
+        print(f"round {i}: streamforge {sf:.2f} s, full logits {full:.2f} s, transformers {tr:.2f} s", flush=True)
+        if i:
+            times["streamforge"].append(sf)
+            times["full_logits"].append(full)
+            times["transformers"].append(tr)
+    ratio = statistics.median(t / s for t, s in zip(times["transformers"], times["streamforge"]))
+    ratio_full = statistics.median(t / s for t, s in zip(times["transformers"], times["full_logits"]))
+    scored = statistics.median(f / s for f, s in zip(times["full_logits"], times["streamforge"]))
+    print(orjson.dumps({
+        "bench": "trainstep", "step_vs_transformers": round(ratio, 3),
+        "full_logits_vs_transformers": round(ratio_full, 3), "scored_speedup": round(scored, 3),
+        "streamforge_s": round(statistics.median(times["streamforge"]), 3),
+        "transformers_s": round(statistics.median(times["transformers"]), 3),
+        "rows": args.rows, "tokens": args.prompt + args.response, "threads": torch.get_num_threads(),
+    }).decode())
+
+
+if __name__ == "__main__":
+    main()
