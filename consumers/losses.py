@@ -8,7 +8,9 @@ Every loss is built by ``make_loss(name, **hyperparams)`` and called as::
 ``logprobs`` (current policy, with grad), ``old_logprobs`` (behaviour policy, from the generator), ``ref_logprobs``,
 ``entropy`` and ``mask`` are ``[B, T]`` float tensors; ``advantages`` is ``[B]``. ``loss`` is a scalar to minimise;
 ``metrics`` maps names to Python floats. A user adds a loss with ``register_loss("mine", factory)`` where
-``factory(**hyperparams)`` returns such a callable.
+``factory(**hyperparams)`` returns such a callable. ``entropy`` carries a gradient only for a loss that asks for
+it (``wants_entropy_grad``: a non-zero ``entropy_coef`` attribute, or ``entropy_grad = True``); otherwise the
+trainer computes it without autograd (a metric: no ``[tokens, vocab]`` tensor kept for the backward pass).
 
 Notation (TRL GRPOTrainer's, whose hyperparameter names and conventions we follow so results agree numerically):
 ``m`` the mask, ``A_i`` the advantage of row ``i``, ``r_{i,t} = exp(logprobs - old_logprobs)`` the token ratio,
@@ -142,7 +144,14 @@ def _accepting_extras(fn: Callable[..., Any]) -> LossFn:
 
     call.aggregation = getattr(fn, "aggregation", None)  # type: ignore[attr-defined]
     call.takes_totals = "totals" in accepted  # type: ignore[attr-defined]
+    call.entropy_grad = wants_entropy_grad(fn)  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
+
+
+def wants_entropy_grad(fn: LossFn) -> bool:
+    """Whether ``fn`` differentiates through ``entropy`` (module docstring); seen through ``dp_share`` and the
+    extras wrapper, which copy the loss's attributes."""
+    return bool(getattr(fn, "entropy_coef", 0.0)) or bool(getattr(fn, "entropy_grad", False))
 
 
 def takes_totals(fn: LossFn) -> bool:

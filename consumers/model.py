@@ -244,13 +244,14 @@ def export_hf(policy: Policy, out_dir: str | Path, source_dir: str | Path | None
 def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: float = 1.0,
                    with_entropy: bool = False, position_ids: torch.Tensor | None = None,
                    segment_ids: torch.Tensor | None = None,
-                   scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   scored: torch.Tensor | None = None,
+                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities aligned with the Batch convention (``topics/schemas.py``).
 
     ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``t >= 1`` and ``out[b, 0] = 0``: the model's
     ``logits[:, :-1]`` scored against ``input_ids[:, 1:]``, placed at ``[:, 1:]``, so ``out`` lines up with
     ``old_logprobs`` and ``loss_mask``. With ``with_entropy`` also returns the per-token entropy of the
-    predictive distribution, aligned the same way.
+    predictive distribution, aligned the same way (without autograd when ``entropy_grad`` is False).
 
     Packed rows (``segment_ids`` and ``position_ids``, ``[R, T]``): a token attends only to the earlier tokens of
     its own segment (a block-diagonal causal mask, ``segment_mask``), RoPE uses ``position_ids`` (restarting at 0
@@ -285,7 +286,10 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
         logits = logits / temperature
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else None
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            ent = -(logp_all.exp() * logp_all).sum(-1)
     if head is not None:  # back to [B, T - 1], zeros where nothing was scored
         lp = torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp)
         if ent is not None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from consumers.losses import LossFn, sft_loss
+from consumers.losses import LossFn, sft_loss, wants_entropy_grad
 from consumers.model import token_logprobs
 from topics.schemas import Batch
 
@@ -140,14 +140,16 @@ def rl_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loss_fn: LossFn
     t0 = time.perf_counter()
     model.train()
     packing = {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids, "scored": inputs.scored}
-    logprobs, entropy = token_logprobs(model, inputs.input_ids, temperature=temperature, with_entropy=True, **packing)
+    grad_entropy = wants_entropy_grad(loss_fn)  # else a metric: computed without autograd
+    logprobs, entropy = token_logprobs(model, inputs.input_ids, temperature=temperature, with_entropy=True,
+                                       entropy_grad=grad_entropy, **packing)
     logprobs, entropy = inputs.per_episode(logprobs), inputs.per_episode(entropy)
     ref = None
     if ref_model is not None:
         with torch.no_grad():
             ref = inputs.per_episode(token_logprobs(ref_model, inputs.input_ids, temperature=temperature, **packing)[0])
     loss, metrics = loss_fn(logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, ref,
-                            entropy=entropy.detach())
+                            entropy=entropy)
     lr = float(sched.get_last_lr()[0])
     grad_norm, ok = _apply(model, opt, sched, loss, grad_clip)
     with torch.no_grad():

@@ -64,3 +64,32 @@ def test_sft_collate_masks_completion_and_eos(tiny_dir: Path):
     assert same.batch_id == batch.batch_id  # the id depends on the example ids only, not their order
     short = collate_sft(tok, [SFTExample(example_id="c", prompt="reverse abc:", completion="cba")], max_seq_len=8)
     assert short.input_ids.shape[1] == 8 and short.loss_mask.sum() == 0  # truncated inside the prompt
+
+
+def test_entropy_carries_a_gradient_only_for_a_loss_that_uses_it(tiny_dir: Path):
+    """``entropy_coef`` moves the weights (the entropy reaches the loss with its gradient); without it the entropy
+    is a metric, computed without autograd, and the step is the same as before."""
+    import copy
+
+    from consumers.losses import make_loss, wants_entropy_grad
+    from consumers.model import load_policy, token_logprobs
+    from consumers.step import batch_inputs, rl_step
+    from helpers.toybatches import ToyBatchMaker
+    from models.tiny_model import load_tokenizer
+
+    pol = load_policy(tiny_dir, max_seq_len=32)
+    maker = ToyBatchMaker("reverse", load_tokenizer(tiny_dir), prompts=3, group_size=4, max_tokens=4, seed=5)
+    inputs = batch_inputs(maker.make(pol.model, version=0))
+    _, ent = token_logprobs(pol.model, inputs.input_ids, with_entropy=True, entropy_grad=False)
+    assert ent is not None and not ent.requires_grad and ent[inputs.mask.bool()].min() > 0
+    weights = {}
+    for coef in (0.0, 0.5):
+        loss_fn = make_loss("grpo", entropy_coef=coef)
+        assert wants_entropy_grad(loss_fn) == (coef > 0)
+        model = copy.deepcopy(pol.model)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        metrics = rl_step(model, opt, sched, loss_fn, inputs, grad_clip=1e9)
+        assert metrics["entropy"] > 0
+        weights[coef] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert (weights[0.5] - weights[0.0]).abs().max() > 1e-6
