@@ -21,34 +21,18 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import orjson
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpu_check import synthetic_batch  # GRPO-shaped random rows, shared with bench/gpu_check.py
 
 from consumers.config import TrainerConfig
 from consumers.engine import TrainEngine
 from consumers.parallel import Dist
 from consumers.step import batch_inputs, rl_step
 from topics.schemas import Batch
-
-
-def grpo_batch(*, rows: int, prompt: int, response: int, vocab: int, seed: int, group: int = 8) -> Batch:
-    """Random token rows shaped like GRPO's (groups of ``group`` with normalised advantages)."""
-    rng = np.random.default_rng(seed)
-    t = prompt + response
-    ids = rng.integers(3, vocab, size=(rows, t), dtype=np.int32)
-    mask = np.zeros((rows, t), np.uint8)
-    mask[:, prompt:] = 1
-    rewards = rng.integers(0, 2, size=rows).astype(np.float32)
-    r = rewards.reshape(-1, group)
-    adv = ((r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4)).reshape(-1).astype(np.float32)
-    old = np.where(mask == 1, -3.0 + rng.normal(0, 0.05, size=(rows, t)), 0).astype(np.float32)
-    return Batch(batch_id=f"trainstep-{seed}", episode_ids=[f"e{i}" for i in range(rows)],
-                 group_ids=[f"g{i // group}" for i in range(rows)], input_ids=ids, loss_mask=mask,
-                 old_logprobs=old, token_versions=np.where(mask == 1, 0, -1).astype(np.int32), advantages=adv,
-                 rewards=rewards, prompt_lens=np.full(rows, prompt, np.int32), seq_lens=np.full(rows, t, np.int32))
 
 
 class TransformersStep:
@@ -106,7 +90,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {"streamforge": [], "full_logits": [], "transformers": []}
     for i in range(args.pairs + 1):  # round 0 warms every path up and is not counted
-        batch = grpo_batch(rows=args.rows, prompt=args.prompt, response=args.response, vocab=vocab, seed=i)
+        batch = synthetic_batch(rows=args.rows, prompt=args.prompt, response=args.response, vocab=vocab, seed=i)
         t0 = time.perf_counter()
         eng.step(batch)
         sf = time.perf_counter() - t0
