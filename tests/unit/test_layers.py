@@ -13,6 +13,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("topics",),  # the wire contract: schemas, codec, names, broker clients
     ("runtime",),  # what every role uses: lifecycle, metrics, telemetry, plugins, the role context
     ("models",),  # policies and tasks shared by generators and trainers
+    ("envs",),  # environments for multi-turn episodes and the routing to their replicas
     ("weightsync",),  # weights from the trainer into the generators' engines
     ("producers", "buffer", "consumers"),  # the roles: none imports another
     ("streamforge",),  # the app: CLI, up, the notebook API, the composed run config
