@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from buffer.config import BufferConfig
 from consumers.config import TrainerConfig
+from envs.config import EnvConfig
 from producers.config import FeederConfig, GeneratorConfig
 from runtime.context import ModelConfig, RoleContext, RunSection, TelemetryConfig
 from streamforge.staleness import DERIVED_KEYS, StalenessConfig, check_staleness, derived_overrides
@@ -89,6 +90,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def validate(self) -> None:
         """The rules that span sections, checked when a config is loaded; each error names the keys involved.

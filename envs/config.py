@@ -1,0 +1,41 @@
+"""Configuration of an environment: how its replicas serve (``streamforge run env``) and how episodes use it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topics.errors import ConfigError
+
+# environments that ship with streamforge, by short name (``env.impl``); anything else is "module:Class"
+BUILTIN_ENVS: dict[str, str] = {}
+
+
+@dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    """One environment of a run. Empty ``name``: episodes are single-turn (no environment)."""
+
+    name: str = ""  # the environment's service name: generators route its episodes to replicas registered under it
+    impl: str = ""  # an OpenEnv ``Environment`` subclass, "module:Class" or a built-in name (BUILTIN_ENVS)
+    replica_id: str = ""  # this replica's id (``run env``); empty = "<name>-<hostname>-<pid>"
+    host: str = "127.0.0.1"  # where a replica serves
+    port: int = 0  # 0 = a free port
+    capacity: int = 64  # sessions one replica holds at once (routing counts its load against this)
+    heartbeat_s: float = 1.0  # how often a replica announces itself and its load
+    health_timeout_s: float = 3.0  # a replica silent for longer is taken out of routing
+    max_turns: int = 8  # model turns per episode at most (then the episode is truncated)
+    max_restarts: int = 2  # an episode whose replica is lost restarts from reset() on another at most this often
+    step_timeout_s: float = 10.0  # a reset or step slower than this is an ``EnvTimeout``
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError("env.port", "must be a port number (0 = free port)")
+        for key in ("capacity", "max_turns"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"env.{key}", "must be at least 1")
+        if self.max_restarts < 0:
+            raise ConfigError("env.max_restarts", "must be >= 0")
+        for key in ("heartbeat_s", "health_timeout_s", "step_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"env.{key}", "must be > 0")
+        if self.health_timeout_s <= self.heartbeat_s:
+            raise ConfigError("env.health_timeout_s", "must be longer than env.heartbeat_s")
