@@ -116,7 +116,8 @@ def clip_grads(model: nn.Module, max_norm: float) -> float:
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=False)
+    plain = not any(isinstance(p, DTensor) for p in params)  # sharded grads keep the per-tensor norm
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=plain)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm.item())
