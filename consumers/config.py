@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from runtime.cpus import parse_cpus
 from topics.errors import ConfigError, check_choices
 
 
@@ -43,6 +44,9 @@ class TrainerConfig:
     # torch's intra-op threads in each rank (0 = torch's default, one per core); for several ranks or roles on one
     # CPU host. The demo keeps 0: there 1 thread made the median step slower (README, "The demo").
     threads: int = 0
+    # the cores the trainer runs on, a CPU list such as "1" or "2-7" ("" = any); its torch threads default to their
+    # number. On a CPU host this keeps the trainer off the generator's engine cores (runtime/cpus.py)
+    cpus: str = ""
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")
@@ -74,6 +78,7 @@ class TrainerConfig:
             raise ConfigError("trainer.tp", f"must be at least 1 and divide trainer.world_size {self.world_size}")
         if self.threads < 0:
             raise ConfigError("trainer.threads", "must be >= 0 (0 = torch's default)")
+        parse_cpus(self.cpus, key="trainer.cpus")
 
     @property
     def dp(self) -> int:

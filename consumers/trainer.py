@@ -43,6 +43,7 @@ from consumers.parallel import Dist, close_distributed, init_distributed
 from consumers.sft import collate_sft
 from models.tiny_model import ensure_model
 from runtime.context import RoleContext
+from runtime.cpus import pin
 from runtime.lifecycle import Service
 from topics.errors import ConfigError, RoleCrashed
 from topics.kafka import DeadLetters, Producer, Received
@@ -127,8 +128,9 @@ class TrainerRole(Service):
 
     async def _start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.cfg.threads:
-            torch.set_num_threads(self.cfg.threads)
+        cores = pin(self.cfg.cpus, key="trainer.cpus")
+        if self.cfg.threads or cores:
+            torch.set_num_threads(self.cfg.threads or len(cores))
         self.d = init_distributed()
         if self.cfg.world_size != self.d.world_size:
             raise ConfigError("trainer.world_size", f"is {self.cfg.world_size} but this process is one of "

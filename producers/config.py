@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from runtime.cpus import parse_cpus
 from topics.errors import ConfigError, check_choices
 from topics.names import MAX_MEMBER_ID, valid_member_id
 
@@ -32,6 +33,9 @@ class GeneratorConfig:
     reward_weights: list[float] = field(default_factory=list)  # empty = all 1.0
     reward_timeout_s: float = 10.0  # a reward slower than this dead-letters its Episode
     kv_cache_gib: float = 1.0  # vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    # the cores this generator and its vLLM CPU engine run on, a CPU list such as "0" or "0-3" ("" = vLLM's own
+    # choice, or `up`'s split between generators); sets VLLM_CPU_OMP_THREADS_BIND (runtime/cpus.py)
+    cpus: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM on GPU
     enforce_eager: bool = True  # vLLM: no CUDA graphs / compilation
     seed: int = 0  # vLLM sampling seed
@@ -56,6 +60,7 @@ class GeneratorConfig:
                               "letters, digits and . _ : @ - (starting with a letter or digit)")
         if self.group_size < 1:
             raise ConfigError("generator.group_size", "must be at least 1")
+        parse_cpus(self.cpus, key="generator.cpus")
         if self.max_tokens < 1:
             raise ConfigError("generator.max_tokens", "must be at least 1")
         if self.temperature < 0:

@@ -47,6 +47,7 @@ from producers.prompts import PromptChecker
 from producers.refunds import DropRefunds
 from producers.rewards import RewardSet
 from runtime.context import RoleContext
+from runtime.cpus import pin
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
 from topics.errors import CodecError, StreamforgeError
@@ -121,6 +122,9 @@ class GeneratorRole(Service):
         self.rewards = RewardSet(cfg.rewards, cfg.reward_weights, timeout_s=cfg.reward_timeout_s,
                                  max_workers=min(32, 2 * cfg.group_size))
         if self.engine is None:
+            if cores := pin(cfg.cpus, key="generator.cpus"):  # before the engine: its processes inherit it
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
+                log.info("generator %s runs on cores %s", self.generator_id, cores)
             model = ensure_model(ctx.model.path, ctx.run_dir, seed=ctx.run.seed, source=ctx.model.source,
                                  cache_dir=ctx.model.cache_dir)
             self.engine = Engine(

@@ -42,6 +42,7 @@ import orjson
 
 from streamforge.brokers import death_signal
 from streamforge.config import dump_config
+from streamforge.cpumeter import CpuMeter
 
 log = logging.getLogger("streamforge.up")
 
@@ -241,6 +242,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         loop.add_signal_handler(sig, on_signal)
     code = 0
     view: ProgressView | None = None
+    meter: CpuMeter | None = None
     try:
         config.kafka.bootstrap, config.nats.url = kafka, nats_url
         await ensure_topics(config.kafka, config.names, config.topics)
@@ -304,6 +306,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
         view = ProgressView(config)
         view.start()
+        meter = CpuMeter()
         waiter = asyncio.ensure_future(stop.wait())
         started = time.monotonic()
         while not stop.is_set():
@@ -314,6 +317,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                 break
             await asyncio.wait([waiter], timeout=1.0)
             view.refresh()
+            meter.sample({c.name: c.proc.pid for c in children if c.proc is not None})
             rc = trainer.poll()
             done = run_dir / "trainer" / "done.json"
             if rc == 0 and done.exists():
@@ -340,6 +344,9 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
     finally:
         if view is not None:
             await view.stop()
+        if meter is not None:
+            meter.sample({c.name: c.proc.pid for c in children if c.proc is not None})
+            meter.write(run_dir / "cpu.json")
         await _stop_children(children, config.up.drain_timeout_s)
         if children:  # also after a failure or a spent budget: what was trained is audited
             await _finish(config)

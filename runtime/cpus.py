@@ -1,0 +1,47 @@
+"""Which cores a role runs on: CPU lists (``"0-3"``, ``"1,3"``) parsed and applied to the role's process.
+
+On a CPU host the generator's vLLM engine and the trainer compete for the same cores. OpenMP threads of two
+processes time-slicing one core wait at each other's barriers, so giving each role its own cores (``trainer.cpus``,
+``generator.cpus``) can be faster than sharing all of them. ``pin(cpus)`` restricts this process (and the children
+it starts afterwards, such as vLLM's engine core and worker) to those cores; vLLM's CPU worker binds its OpenMP
+threads itself, from ``VLLM_CPU_OMP_THREADS_BIND``, which the generator sets from the same list.
+"""
+
+from __future__ import annotations
+
+import os
+
+from topics.errors import ConfigError
+
+
+def parse_cpus(spec: str, *, key: str = "cpus") -> list[int]:
+    """Core ids of a CPU list such as ``"0-3,6"`` (sorted, unique); ``""`` is no restriction (``[]``).
+
+    Raises ``ConfigError`` naming ``key`` for anything else."""
+    if not spec.strip():
+        return []
+    ids: set[int] = set()
+    for part in spec.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ConfigError(key, f"{spec!r} is not a CPU list such as '0-3' or '1,3'") from None
+        if a < 0 or b < a:
+            raise ConfigError(key, f"{spec!r}: bad range {part.strip()!r}")
+        ids.update(range(a, b + 1))
+    return sorted(ids)
+
+
+def pin(spec: str, *, key: str = "cpus") -> list[int]:
+    """Restrict this process to the cores of ``spec`` (no-op for ``""``); returns them. A core this host does not
+    let the process use is a ``ConfigError``."""
+    ids = parse_cpus(spec, key=key)
+    if not ids:
+        return []
+    allowed = os.sched_getaffinity(0)
+    missing = [i for i in ids if i not in allowed]
+    if missing:
+        raise ConfigError(key, f"cores {missing} are not available to this process (it may use {sorted(allowed)})")
+    os.sched_setaffinity(0, ids)
+    return ids
