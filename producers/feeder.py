@@ -53,6 +53,7 @@ class FeederRole(Service):
         self.sent = 0
         self.finished = asyncio.Event()
         self._produced: dict[int, tuple[int, int]] = {}  # partition -> (first offset we wrote, next offset)
+        self._room = cfg.max_in_flight  # prompts that may be sent before the group's offsets are read again
 
     async def _start(self) -> None:
         self.producer = Producer(self.ctx.kafka, client_id="feeder")
@@ -77,8 +78,14 @@ class FeederRole(Service):
         return sum(nxt - max(first, committed.get(p, first)) for p, (first, nxt) in self._produced.items())
 
     async def _wait_for_room(self) -> None:
-        while self.sent >= self.cfg.max_in_flight and await self._in_flight() >= self.cfg.max_in_flight:
-            await asyncio.sleep(_POLL_S)
+        """Take one slot under ``max_in_flight``. The group's offsets are read only when the slots counted at the
+        last read are used up (a read is one OffsetFetch per partition: reading them per prompt cost the demo's
+        feeder more CPU than the buffer's)."""
+        while self._room <= 0:
+            self._room = self.cfg.max_in_flight - await self._in_flight()
+            if self._room <= 0:
+                await asyncio.sleep(_POLL_S)
+        self._room -= 1
 
     async def _feed(self) -> None:
         """Consumes the source; waits for the broker's ack per record and for room under ``max_in_flight``."""

@@ -6,8 +6,11 @@ synchronous training (every batch from the latest weights). The knobs below keep
 sets them explicitly they are derived from ``S`` (``derived_values``); ``P`` is ``trainer.publish_every`` and
 ``N`` is ``up.generators``:
 
-* ``buffer.max_batches_ahead`` (``A``) = 1 for ``S = 0``, else 2: the buffer publishes at most ``A`` batches
-  beyond the trainer step of the latest published version;
+* ``buffer.max_batches_ahead`` (``A``) = 1 for ``S = 0``, else ``S - G`` within [1, 2] (``G`` below): the buffer
+  publishes at most ``A`` batches beyond the trainer step of the latest published version. A batch cut behind
+  ``A`` queued ones is trained ``A`` versions later, and its episodes come from weights up to ``G`` versions old,
+  so ``A + G <= S`` keeps what the generators produce trainable (at ``S = 2`` with two batches queued, every
+  episode a generator made one version behind would be dropped as stale: two in five of a tiny-task run's were);
 * ``buffer.max_policy_lag`` (``B``) = ``S``: just before the buffer cuts a batch, every episode in it must be at
   most ``B - f`` versions older than the trainer's current version, where ``f`` is how many versions the trainer
   will publish before it reaches that batch (the batches queued before it and the steps not yet published, at the
@@ -74,7 +77,7 @@ class StalenessConfig:
         """``A``: batches the buffer may publish beyond the trainer's latest published step (0 = no limit)."""
         if not self.bounded:
             return 0
-        return 1 if self.max_versions == 0 else 2
+        return 1 if self.max_versions == 0 else min(2, max(1, self.max_versions - self.generator_lag))
 
     @property
     def buffer_lag(self) -> int:

@@ -17,7 +17,7 @@ def load(*overrides: str, path: Path | None = None) -> RunConfig:
     return load_config(path, list(overrides), environ={})
 
 
-@pytest.mark.parametrize(("s", "ahead", "gen_lag", "window"), [(0, 1, 0, 1), (1, 2, 0, 2), (2, 2, 1, 2),
+@pytest.mark.parametrize(("s", "ahead", "gen_lag", "window"), [(0, 1, 0, 1), (1, 1, 0, 2), (2, 1, 1, 2),
                                                                 (3, 2, 1, 3), (5, 2, 1, 3)])
 def test_bounds_derive_from_the_one_setting(s: int, ahead: int, gen_lag: int, window: int) -> None:
     c = load(f"--staleness.max_versions={s}")
@@ -25,6 +25,8 @@ def test_bounds_derive_from_the_one_setting(s: int, ahead: int, gen_lag: int, wi
     assert c.generator.max_policy_lag == gen_lag and c.generator.quota_window_steps == window
     # the quota's bound: a group is trained at most window - 1 versions after it was taken, by weights gen_lag old
     assert (window - 1) + gen_lag <= s
+    # a batch cut behind `ahead` queued ones, of episodes from weights gen_lag old, is still trainable
+    assert ahead + gen_lag <= max(s, 1)
 
 
 def test_quota_is_each_generators_share_of_a_steps_groups() -> None:
