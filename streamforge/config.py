@@ -38,7 +38,9 @@ ENV_PREFIX = "STREAMFORGE_"
 class BrokersConfig:
     """The embedded brokers started by ``streamforge brokers`` and ``streamforge up``."""
 
-    durable: bool = False  # Tansu over a local SeaweedFS (s3://) instead of memory://
+    # Tansu over a local SeaweedFS (s3://) in data_dir, so the run's log outlives `up` (replay, provenance and
+    # audit reopen it); false = memory://, gone when the brokers stop
+    durable: bool = True
     data_dir: str = ""  # empty = <run_dir>/brokers
     kafka_port: int = 0  # 0 = a free port
     nats_port: int = 0
