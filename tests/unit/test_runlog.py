@@ -1,0 +1,55 @@
+"""Reopening a finished run without starting a broker: who serves a broker directory, and runs that cannot be
+reopened (their log lived in memory, or there is no config)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from pathlib import Path
+
+import pytest
+
+from streamforge.brokers import ENDPOINTS_FILE, LOCK_FILE, serving
+from streamforge.config import dump_config, load_config
+from streamforge.runlog import RunLogUnavailable, reopen, run_config
+
+
+def test_serving_reads_the_endpoints_only_while_their_owner_holds_the_lock(tmp_path: Path) -> None:
+    assert serving(tmp_path) is None
+    endpoints = {"kafka_bootstrap": "127.0.0.1:1", "nats_url": "nats://127.0.0.1:2", "pid": 1}
+    (tmp_path / ENDPOINTS_FILE).write_text(json.dumps(endpoints))
+    with open(tmp_path / LOCK_FILE, "a+b") as owner:
+        assert serving(tmp_path) is None  # a file left by an owner that died: nobody holds the lock
+        fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert serving(tmp_path) == endpoints
+    assert serving(tmp_path) is None
+
+
+def _run_dir(tmp_path: Path, *overrides: str) -> Path:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(dump_config(load_config(None, list(overrides), environ={})))
+    return run_dir
+
+
+async def test_a_run_whose_log_lived_in_memory_cannot_be_reopened(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path, "--brokers.durable=false")
+    config = run_config(run_dir)
+    assert config.run_dir == run_dir and not config.brokers.durable
+    with pytest.raises(RunLogUnavailable, match="in memory"):
+        async with reopen(config):
+            pass
+
+
+async def test_a_durable_run_without_its_store_and_a_dir_without_config(tmp_path: Path) -> None:
+    with pytest.raises(RunLogUnavailable, match="no durable store"):
+        async with reopen(run_config(_run_dir(tmp_path))):
+            pass
+    with pytest.raises(RunLogUnavailable, match="config.yaml"):
+        run_config(tmp_path / "elsewhere")
+
+
+async def test_a_run_on_external_brokers_is_reopened_as_it_is(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path, "--kafka.bootstrap=kafka:9092", "--nats.url=nats://nats:4222")
+    async with reopen(run_config(run_dir)) as config:
+        assert (config.kafka.bootstrap, config.nats.url) == ("kafka:9092", "nats://nats:4222")
