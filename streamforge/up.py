@@ -1,6 +1,7 @@
 """``streamforge up``: brokers + feeder + N generators + buffer(s) + trainer as child processes of one command.
 
-Contract: starts the embedded brokers unless the config names external ones (``kafka.bootstrap`` and ``nats.url``),
+Contract: starts the embedded brokers unless the config names external ones (``kafka.bootstrap`` and ``nats.url``):
+durable by default (``brokers.durable``), their store in ``<run_dir>/brokers`` so the run's log outlives ``up``,
 creates the run's topics, prepares the model when ``model.path`` is empty (converts ``model.source`` once into its
 cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every role with
 ``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``). It waits for the trainer to finish
@@ -346,6 +347,8 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         if embedded is not None:
             embedded.stop()
     print(f"run directory: {run_dir}  (open reward.png, metrics.jsonl, traces.jsonl, audit.json)", flush=True)
+    if embedded is not None and embedded.durable:  # the log stays in the run directory (streamforge/runlog.py)
+        print(f"its log is kept: streamforge replay|provenance|audit --run-dir {run_dir}", flush=True)
     return code
 
 
