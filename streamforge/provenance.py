@@ -233,8 +233,8 @@ def render(result: dict[str, Any]) -> str:
         if len(eps) > 20:
             lines.append(f"  ... {len(eps) - 20} more episodes (--json lists all)")
         lines += [f"  prompt {p['prompt_id']}: {p['text']!r}" for p in result["prompts"][:10]]
-        lines.append("  adopted by: " + (", ".join(f"{a['generator_id']} at {a['at']}" for a in result["adopted_by"])
-                                         or "none"))
+        lines.append("  adopted by: " + (", ".join(f"{a['generator_id']} at {_when(a['at'])}"
+                                                   for a in result["adopted_by"]) or "none"))
         lines.append("  fenced: " + (", ".join(result["fenced"]) or "none"))
         return "\n".join(lines)
     head = f"episode {result['episode_id']}"
@@ -247,3 +247,11 @@ def render(result: dict[str, Any]) -> str:
     if result["dropped"]:
         return f"{head}\n  not trained: {result['dropped']} ({result['drop_detail']})"
     return f"{head}\n  not trained: {result['drop_detail']}"
+
+
+def _when(at: float | None) -> str:
+    import datetime
+
+    if not at:
+        return "?"
+    return datetime.datetime.fromtimestamp(at).isoformat(sep=" ", timespec="milliseconds")
