@@ -7,10 +7,12 @@ brokers that hold the run's topics and its JetStream state, in this order:
 * the brokers the config names (``kafka.bootstrap`` and ``nats.url``: external ones, or set by the caller);
 * the embedded brokers another process serves from the run's broker directory (``brokers.data_dir``, by default
   ``<run_dir>/brokers``): its ``up`` still runs, or another replay reopened it (``streamforge.brokers.serving``);
-* else the embedded brokers started again on that directory: the durable store (``brokers.durable``, the default)
-  that ``up`` left there. They are stopped when the context exits.
+* else the embedded brokers started again on that directory: over the S3 store ``up`` left there
+  (``brokers.durable``), or in memory with the run's archive (``<run_dir>/log``, ``brokers.archive``, the default)
+  restored into them (``streamforge/logarchive.py``); NATS on its JetStream store there either way. They are
+  stopped when the context exits.
 
-A run whose embedded log lived in memory (``brokers.durable: false``) cannot be reopened: ``RunLogUnavailable``.
+A run that kept neither cannot be reopened: ``RunLogUnavailable``.
 
 Reading the log: ``scan`` streams a topic's retained records, ``locate`` finds where records are by id, and
 ``records_at`` reads records at known positions in a given order, forward per partition, keeping none but the
@@ -80,17 +82,20 @@ async def reopen(config: Any) -> AsyncIterator[Any]:
         config.nats.url = config.nats.url or live["nats_url"]
         yield config
         return
-    if not config.brokers.durable:
-        raise RunLogUnavailable(config.run_dir, "its log lived in memory (brokers.durable: false) and is gone; "
-                                "a run keeps it with brokers.durable: true (the default)")
-    if not (data_dir / "seaweedfs").is_dir():
-        raise RunLogUnavailable(config.run_dir, f"no durable store in {data_dir}")
-    brokers = EmbeddedBrokers(data_dir, durable=True, host=config.brokers.host)
+    from streamforge.logarchive import has_archive, restore
+
+    durable = config.brokers.durable and (data_dir / "seaweedfs").is_dir()
+    if not durable and not has_archive(config.run_dir):
+        raise RunLogUnavailable(config.run_dir, "its log was not kept (no archive in log/, no durable store in "
+                                f"{data_dir.name}/): it ran with brokers.archive false and brokers.durable false")
+    brokers = EmbeddedBrokers(data_dir, durable=durable, host=config.brokers.host)
     await brokers.start()
-    log.info("reopened the run's log in %s: %s", data_dir, brokers.kafka_bootstrap)
     try:
         config.kafka.bootstrap = config.kafka.bootstrap or brokers.kafka_bootstrap
         config.nats.url = config.nats.url or brokers.nats_url
+        if not durable:
+            await restore(config.kafka, config.run_dir)
+        log.info("reopened the run's log (%s): %s", data_dir if durable else "log/", brokers.kafka_bootstrap)
         yield config
     finally:
         brokers.stop()

@@ -52,6 +52,19 @@ async def ensure_topics(cfg: KafkaConfig, names: Names, topics_cfg: TopicsConfig
         await admin.close()
 
 
+async def create_topic(cfg: KafkaConfig, topic: str, partitions: int, configs: dict[str, str]) -> bool:
+    """Create one topic (replication factor 1: the embedded broker) unless it exists; True if created."""
+    admin = await _admin(cfg)
+    try:
+        await admin.create_topics([NewTopic(name=topic, num_partitions=partitions, replication_factor=1,
+                                            topic_configs=configs)])
+        return True
+    except TopicAlreadyExistsError:
+        return False
+    finally:
+        await admin.close()
+
+
 async def topic_configs(cfg: KafkaConfig, topic: str) -> dict[str, str]:
     """The configs the broker holds for ``topic`` (``{"retention.ms": "-1", ...}``)."""
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType

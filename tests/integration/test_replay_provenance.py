@@ -176,7 +176,7 @@ async def test_provenance_of_an_episode_names_its_step_or_its_drop(reopened) -> 
 
 
 @pytest.mark.timeout(300)
-async def test_audit_reopens_the_run_and_the_demo_keeps_its_topics(reopened) -> None:
+async def test_audit_and_nats_reopen_and_the_demo_keeps_its_topics(reopened) -> None:
     config = reopened
     for suffix in ("prompts", "episodes", "batches", "drops", "dead-letter"):  # configs/demo.yaml keeps them all
         assert (await topic_configs(config.kafka, f"{config.names.prefix}.{suffix}"))["retention.ms"] == "-1"
@@ -185,3 +185,13 @@ async def test_audit_reopens_the_run_and_the_demo_keeps_its_topics(reopened) -> 
     audit = orjson.loads((config.run_dir / "audit.json").read_bytes())
     assert audit["reconciles"] and audit["trained"] == sum(len(r["episode_ids"]) for r in
                                                            _jsonl(config.run_dir / "trainer" / "ledger.jsonl"))
+    from topics.nats import PolicyStore, connect
+
+    nc = await connect(config.nats, name="test")  # the JetStream state came back too: the policy bucket
+    try:
+        store = PolicyStore(nc, config.names)
+        await store.start()
+        latest, _ = await store.latest()
+    finally:
+        await nc.close()
+    assert latest.version == _jsonl(config.run_dir / "weightsync" / "versions.jsonl")[-1]["version"]
