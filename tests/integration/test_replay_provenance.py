@@ -1,8 +1,8 @@
 """A finished run reopened: `streamforge replay`, `provenance` and `audit --run-dir` on one short real `up` run.
 
-The run (the demo config, a few steps) ends and stops its brokers; its log stays in the run directory (the durable
-embedded broker). The first test replays it through the CLI, which starts the embedded broker on the run
-directory again; the others share one reopened broker (``reopened``). Everything is checked against the run's own
+The run (the demo config, a few steps) ends and stops its brokers; its log stays in the run directory (the archive
+in ``log/``, NATS's JetStream store in ``brokers/``). The first test replays it through the CLI, which starts the
+embedded brokers again and restores the archive into them; the others share one reopened broker (``reopened``). Everything is checked against the run's own
 records: the ledger, metrics.jsonl, versions.jsonl and the topics read whole.
 """
 
