@@ -196,8 +196,8 @@ def topics_create(ctx: click.Context, config_path: str | None) -> None:
 @click.option("--config", "config_path", type=click.Path(), default=None)
 @click.pass_context
 def topics_describe(ctx: click.Context, config_path: str | None) -> None:
-    """Partitions and records per topic of the run."""
-    from topics.admin import describe_topics, highwaters
+    """Partitions, records and configs (retention) per topic of the run."""
+    from topics.admin import describe_topics, highwaters, topic_configs
 
     config = _load(config_path, tuple(ctx.args))
 
@@ -206,6 +206,7 @@ def topics_describe(ctx: click.Context, config_path: str | None) -> None:
         for name, row in out.items():
             if row.get("partitions"):
                 row["records"] = sum((await highwaters(config.kafka, name)).values())
+                row["configs"] = await topic_configs(config.kafka, name)
         return out
 
     click.echo(orjson.dumps(_run_async(go()), option=orjson.OPT_INDENT_2).decode())
