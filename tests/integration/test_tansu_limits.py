@@ -1,7 +1,8 @@
 """Regression pins for what the embedded broker (Tansu 0.6) lacks, so a broker upgrade shows up here.
 
 Design consequences (see README): at-least-once delivery with deduplication (no idempotent producer, no
-transactions), explicit topic creation, and ``highwater()`` instead of ``end_offsets()``/``seek_to_end()``.
+transactions), explicit topic creation, ``highwater()`` instead of ``end_offsets()``/``seek_to_end()``, and
+retention that only a real Kafka enforces (Tansu stores it; no DeleteRecords).
 Skipped against a broker other than Tansu (an external Apache Kafka), where ``tests/integration/test_external_kafka.py``
 exercises these features; they run against an external Tansu (a separate ``streamforge brokers``) too.
 """
@@ -50,6 +51,49 @@ async def test_end_offsets_is_wrong_but_highwater_is_right(embedded_only, run_co
         await consumer.stop()
     assert (await highwaters(run_config.kafka, topic))[0] == 10
     assert end != 10, "Tansu now reports end_offsets correctly: seek_to_end/latest may be usable again"
+
+
+
+async def test_retention_is_stored_not_enforced_and_delete_records_is_missing(embedded_only) -> None:
+    """A replay finds a batch gone only by its absence (``streamforge/replay.py``): Tansu keeps a topic's
+    ``retention.ms`` without deleting anything, and drops the connection at DeleteRecords."""
+    import asyncio
+    import uuid
+
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic, RecordsToDelete
+
+    from topics.admin import topic_configs
+    from topics.config import KafkaConfig
+
+    topic = f"limits-{uuid.uuid4().hex[:8]}"
+    admin = AIOKafkaAdminClient(bootstrap_servers=embedded_only.kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"retention.ms": "100"})])
+        producer = AIOKafkaProducer(bootstrap_servers=embedded_only.kafka_bootstrap)
+        await producer.start()
+        try:
+            for _ in range(5):
+                await producer.send_and_wait(topic, b"x", partition=0)
+        finally:
+            await producer.stop()
+        await asyncio.sleep(1.5)
+        cfg = KafkaConfig(bootstrap=embedded_only.kafka_bootstrap)
+        assert (await topic_configs(cfg, topic))["retention.ms"] == "100"
+        assert (await highwaters(cfg, topic))[0] == 5
+        with pytest.raises(Exception) as err:
+            await admin.delete_records({TopicPartition(topic, 0): RecordsToDelete(3)}, timeout_ms=5000)
+        assert "Connection" in type(err.value).__name__ or "closed" in str(err.value), err.value
+    finally:
+        await admin.close()
+    consumer = AIOKafkaConsumer(bootstrap_servers=embedded_only.kafka_bootstrap, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        consumer.assign([TopicPartition(topic, 0)])
+        got = await consumer.getmany(timeout_ms=3000)
+        assert sum(len(v) for v in got.values()) == 5, "Tansu now enforces retention or DeleteRecords"
+    finally:
+        await consumer.stop()
 
 
 # -- a librdkafka client: confluent-kafka (librdkafka 2.16) --------------------------------------------------

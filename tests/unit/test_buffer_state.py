@@ -304,3 +304,14 @@ def test_future_versions_follow_the_trainers_progress():
     f, _ = pace.future_versions(2)
     assert [f(j) for j in range(4)] == [1, 1, 1, 2]  # ceil(steps x 0.25): the rate seen, not one a step
 
+
+
+def test_a_batch_records_where_each_episode_was_read():
+    """Provenance: ``Batch.episode_partitions``/``episode_offsets`` name each episode's record, row by row."""
+    s = BufferState(cfg())
+    feed(s, [ep("b", 1), ep("a", 0)], partition=3, start=10)
+    feed(s, [ep("b", 0), ep("a", 1)], partition=3, start=20)
+    (d,) = s.take_decisions(now=1, latest_version=0)
+    where = {"b/1": 10, "a/0": 11, "b/0": 20, "a/1": 21}
+    assert d.batch.episode_partitions.tolist() == [3, 3, 3, 3]
+    assert d.batch.episode_offsets.tolist() == [where[e] for e in d.batch.episode_ids]

@@ -53,6 +53,8 @@ def messages(draw: st.DrawFn, cls: type) -> object:
             kwargs[name] = np.zeros(b, dtype=np.int32)
         for name in ("segment_ids", "position_ids"):  # the padded layout (packed batches: test_buffer_packing)
             kwargs[name] = np.zeros((0, 0), dtype=np.int32)
+        for name, dtype in (("episode_partitions", np.int32), ("episode_offsets", np.int64)):  # [B] or empty
+            kwargs[name] = np.arange(draw(st.sampled_from([0, b])), dtype=dtype)
     return cls(**kwargs)
 
 
@@ -353,3 +355,20 @@ def test_encode_is_reentrant_and_thread_safe() -> None:
     with ThreadPoolExecutor(4) as pool:
         for _ in range(5):
             assert list(pool.map(codec.encode, eps)) == expected
+
+
+def test_a_version_1_batch_decodes_without_the_episode_offsets() -> None:
+    """Batch v2 added ``episode_partitions`` and ``episode_offsets``; a v1 record still on a topic decodes."""
+    batch = schemas.Batch(batch_id="b", episode_ids=["a", "b"], group_ids=["g", "g"],
+                          input_ids=np.zeros((2, 3), np.int32), loss_mask=np.ones((2, 3), np.uint8),
+                          old_logprobs=np.zeros((2, 3), np.float32), token_versions=np.zeros((2, 3), np.int32),
+                          advantages=np.array([1, -1], np.float32), rewards=np.array([1, 0], np.float32),
+                          prompt_lens=np.array([1, 1], np.int32), seq_lens=np.array([3, 3], np.int32),
+                          episode_partitions=np.array([0, 0], np.int32), episode_offsets=np.array([7, 9], np.int64))
+    assert codec.decode(codec.encode(batch)).episode_offsets.tolist() == [7, 9]
+    old = codec.to_wire(batch)
+    old["v"] = 1
+    del old["episode_partitions"], old["episode_offsets"]
+    out = codec.decode(msgpack.packb(old, use_bin_type=True), expect=schemas.Batch)
+    assert type(out) is schemas.Batch and out.episode_offsets.size == 0 and out.episode_partitions.size == 0
+    assert out.batch_id == "b" and out.input_ids.shape == (2, 3)

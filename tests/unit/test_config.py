@@ -41,6 +41,8 @@ def test_yaml_env_and_overrides_compose(tmp_path: Path) -> None:
         (["--kafka.bootstrap=nohostport"], "kafka.bootstrap"),
         (["--generator.prompt_source=web"], "generator.prompt_source"),
         (["trainer.lr"], "trainer.lr"),
+        (["--topics.retention_ms.batch=-1"], "topics.retention_ms.batch"),
+        (["--topics.retention_bytes.episodes=0"], "topics.retention_bytes.episodes"),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:
@@ -91,3 +93,12 @@ def test_an_empty_override_sets_the_empty_string() -> None:
 
     cfg = load_config(None, ["--model.warmstart_task="])
     assert cfg.model.warmstart_task == ""
+
+
+def test_retention_per_topic_becomes_the_topics_kafka_configs() -> None:
+    config = load_config(None, ["--topics.retention_ms.batches=-1", "--topics.retention_ms.dead-letter=86400000",
+                                "--topics.retention_bytes.episodes=1048576"], environ={})
+    assert config.topics.topic_configs("batches") == {"retention.ms": "-1"}
+    assert config.topics.topic_configs("dead-letter") == {"retention.ms": "86400000"}
+    assert config.topics.topic_configs("episodes") == {"retention.bytes": "1048576"}
+    assert config.topics.topic_configs("prompts") == {}
