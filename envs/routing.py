@@ -72,11 +72,14 @@ class ServiceEnvRouter:
                 self.counts["no_replica"] += 1
                 raise NoReplica(str(exc), env_name=env_name) from exc
             tried.add(replica.replica_id)
+            # a silent replica is dropped at most health_timeout_s after its last pong: a ping every heartbeat_s,
+            # then the pong's timeout, then the close (websockets waits close_timeout for the socket to end)
+            close_s = 0.2 * cfg.heartbeat_s
             try:
                 ws = await websockets.connect(
                     f"{replica.address}/ws", open_timeout=cfg.step_timeout_s, max_size=MAX_MESSAGE_BYTES,
-                    ping_interval=cfg.heartbeat_s, ping_timeout=cfg.health_timeout_s - cfg.heartbeat_s,
-                    close_timeout=1.0, compression=None)
+                    ping_interval=cfg.heartbeat_s, ping_timeout=cfg.health_timeout_s - cfg.heartbeat_s - close_s,
+                    close_timeout=close_s, compression=None)
             except (OSError, TimeoutError, websockets.exceptions.WebSocketException) as exc:
                 self.counts["connect_failed"] += 1
                 self.directory.mark_lost(env_name, replica.replica_id)
