@@ -310,7 +310,7 @@ class RewardSet:
             return [RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s")] * len(texts)
         except Exception as exc:  # noqa: BLE001 - no replica, a replica's fault: every row of the group fails
             return [RewardFailed(name, "reward_error", f"{type(exc).__name__}: {exc}")] * len(texts)
-        return [v if isinstance(v, float) else RewardFailed(name, "reward_error", v) for v in values]
+        return [v if isinstance(v, float) else RewardFailed(name, v.reason, v.detail) for v in values]
 
     async def score(self, prompt: Prompt, response_text: str) -> Scored:
         """All rewards of one response, concurrently; the first failure raises ``RewardFailed``."""

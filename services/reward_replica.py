@@ -28,7 +28,7 @@ import numpy as np
 from runtime.context import RoleContext
 from runtime.lifecycle import Service
 from runtime.plugins import load_object
-from runtime.remote_reward import prompts_of
+from runtime.remote_reward import TIMEOUT_PREFIX, prompts_of
 from runtime.services import RequestRefused, ServiceRegistration, default_replica_id
 from services.config import RewardServiceConfig
 from topics.errors import ConfigError
@@ -101,7 +101,7 @@ class RewardRole(Service):
         for i, fut in enumerate(futures):
             if not fut.done():
                 fut.cancel()
-                errors[i] = f"timeout: no score within {self.cfg.timeout_s} s"
+                errors[i] = f"{TIMEOUT_PREFIX}no score within {self.cfg.timeout_s} s"
             elif fut.exception() is not None:
                 exc = fut.exception()
                 errors[i] = f"{type(exc).__name__}: {exc}"[:500]
