@@ -24,7 +24,8 @@ from envs.serving import EnvServer
 from runtime.context import RoleContext
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
-from runtime.services import ServiceRegistration, default_replica_id
+from runtime.registration import ServiceRegistration
+from runtime.services import default_replica_id
 from topics.errors import ConfigError
 from topics.nats import connect
 

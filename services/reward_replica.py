@@ -28,8 +28,9 @@ import numpy as np
 from runtime.context import RoleContext
 from runtime.lifecycle import Service
 from runtime.plugins import load_object
+from runtime.registration import RequestRefused, ServiceRegistration
 from runtime.remote_reward import TIMEOUT_PREFIX, prompts_of
-from runtime.services import RequestRefused, ServiceRegistration, default_replica_id
+from runtime.services import default_replica_id
 from services.config import RewardServiceConfig
 from topics.errors import ConfigError
 from topics.nats import connect

@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from runtime.services import ServiceCallFailed, ServiceDirectory, ServiceRegistration, ServiceUnavailable
+from runtime.registration import ServiceRegistration
+from runtime.services import ServiceCallFailed, ServiceDirectory, ServiceUnavailable
 from topics.nats import connect
 from topics.schemas import RewardReply, RewardRequest
 
