@@ -1,10 +1,11 @@
 """What ``up`` does for the service layer, with real processes: it starts ``up.envs`` environment replicas and
 ``up.rewards`` reward replicas and waits until each one beats before it starts the generators; a replica that
-dies first stops the wait with its name (``streamforge/replicas.py``)."""
+dies first stops the wait with its name (``streamforge/replicas.py``); SIGTERM drains a replica out of the bucket."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 
@@ -12,8 +13,10 @@ import pytest
 from conftest import make_run_config
 
 from helpers.replicas import ENV, common_args
+from runtime.services import ServiceDirectory
 from streamforge.replicas import expected_replicas, replica_children, wait_registered
 from streamforge.up import Child
+from topics.nats import connect
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,12 +39,25 @@ async def test_up_starts_the_replicas_and_waits_until_each_one_beats(brokers, tm
     children = children_of(cfg, SERVICES)
     assert [(c.name, c.role) for c in children] == [("env-0", "env"), ("env-1", "env"), ("reward-0", "reward")]
     assert expected_replicas(cfg, children) == {"count": {"count-0", "count-1"}, "judge": {"judge-0"}}
+    nc = await connect(cfg.nats, name="test-up-replicas")
+    directory = ServiceDirectory(nc, cfg.names)
     try:
         for c in children:
             c.start()
         assert await wait_registered(cfg, children, asyncio.Event()) == ""
         assert all(c.poll() is None for c in children)
+        await directory.start()
+        assert {r.replica_id for r in directory.healthy("count")} == {"count-0", "count-1"}
+        # the first SIGTERM drains: each replica leaves the bucket (callers drop it at once) and exits 0
+        for c in children:
+            c.signal(signal.SIGTERM)
+        codes = [await asyncio.to_thread(c.proc.wait, 30) for c in children]
+        assert codes == [0, 0, 0], [c.log_tail() for c in children]
+        await asyncio.sleep(0.3)
+        assert directory.replicas.get("count") == {} and directory.replicas.get("judge") == {}
     finally:
+        await directory.stop()
+        await nc.close()
         for c in children:
             c.signal(15)
         for c in children:
