@@ -4,7 +4,8 @@
 (``runtime/services.py``): ``open(env_name)`` picks the least-loaded healthy replica registered under
 ``env_name``, connects to its OpenEnv WebSocket (``<address>/ws``: one environment instance per connection, so
 every reset and step of the session reaches that replica and that instance), and returns a ``RemoteEnvSession``.
-A replica that refuses the connection is marked lost and the next one is tried; none left: ``NoReplica``.
+While no replica has room (none registered yet, all at ``capacity``) it waits up to ``env.step_timeout_s``; a
+replica that refuses the connection is marked lost and the next one is tried; none left: ``NoReplica``.
 
 The session speaks OpenEnv's WebSocket protocol itself (JSON ``{"type": "reset"|"step"|"close", "data": ...}``,
 answers ``observation`` or ``error``): a reset sends ``{seed, episode_id, **options}``; a step sends
@@ -66,8 +67,8 @@ class ServiceEnvRouter:
         tried = set(exclude)
         cfg = self.cfg
         while True:
-            try:
-                replica = self.directory.pick(env_name, exclude=tried)
+            try:  # a replica may be starting, or all full: wait for room as long as a step may take
+                replica = await self.directory.wait_pick(env_name, exclude=tried, timeout_s=cfg.step_timeout_s)
             except ServiceUnavailable as exc:
                 self.counts["no_replica"] += 1
                 raise NoReplica(str(exc), env_name=env_name) from exc

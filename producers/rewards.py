@@ -305,7 +305,9 @@ class RewardSet:
 
     async def _remote(self, name: str, fn: RemoteReward, prompt: Prompt, texts: list[str]) -> list[float | RewardFailed]:
         try:
-            values = await asyncio.wait_for(fn.score(prompt, texts, timeout_s=self.timeout_s), self.timeout_s)
+            # the call waits for a replica with room and for its answer, all within timeout_s (the outer bound is
+            # a guard): its own error says which
+            values = await asyncio.wait_for(fn.score(prompt, texts, timeout_s=self.timeout_s), self.timeout_s + 1)
         except (TimeoutError, TimeoutExpired):
             return [RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s")] * len(texts)
         except Exception as exc:  # noqa: BLE001 - no replica, a replica's fault: every row of the group fails

@@ -7,10 +7,13 @@ every ``heartbeat_s``, each write with a per-message time-to-live of ``health_ti
 seconds; it deletes the key when it stops. Callers (``ServiceDirectory``) watch the bucket and route:
 
 * ``pick(service)``: the healthy replica with the lowest estimated load over capacity (ties at random), where the
-  estimate is the replica's last reported load plus what this caller opened on it since that beat; a full
-  replica is skipped. Sticky sessions are the caller's: it keeps the replica it picked (``envs/routing.py``).
-* ``call_one(service, msg)``: a request to the least-loaded replica, the next one when it does not answer;
-  ``fanout(service, msg)``: the same request to every healthy replica at once.
+  estimate is the others' load as of the replica's last beat plus this caller's own now (its requests in flight,
+  the sessions it opened since that beat); a full replica is skipped. ``wait_pick`` waits (woken by beats and by
+  this caller's answers) while none has room. Sticky sessions are the caller's: it keeps the replica it picked
+  (``envs/routing.py``).
+* ``call_one(service, msg)``: a request to the least-loaded replica with room, waiting for room while all are busy
+  (a replica that answers ``overloaded`` is busy until its next beat) and going to another when one is gone or
+  draining, all within the call's timeout; ``fanout(service, msg)``: the same request to every healthy replica.
 
 Health: a replica is *healthy* while its last beat arrived at most ``health_timeout_s`` ago (the replica's own
 setting, carried in its beat), it is not draining, and no caller found it dead since (``mark_lost``: it comes
@@ -38,7 +41,7 @@ import random
 import socket
 import time
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import nats.errors
@@ -111,9 +114,11 @@ class Replica:
 
     beat: ServiceBeat
     seen_at: float
-    opened_since_beat: int = 0  # what this caller routed to it since that beat (not in the beat's load yet)
+    opened_since_beat: int = 0  # sessions this caller opened on it since that beat (not in the beat's load yet)
+    in_flight: int = 0  # requests of this caller it has not answered yet
+    in_flight_at_beat: int = 0  # ... when its last beat arrived (the beat's load counts them)
+    refused_since_beat: bool = False  # it answered this caller "overloaded" since its last beat
     lost_at: float | None = None  # when this caller found it dead (connection dropped, no answer)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def replica_id(self) -> str:
@@ -125,7 +130,9 @@ class Replica:
 
     @property
     def estimated_load(self) -> int:
-        return self.beat.load + self.opened_since_beat
+        """Others' load as of its last beat, plus this caller's now: its requests in flight and the sessions it
+        opened since that beat."""
+        return max(0, self.beat.load - self.in_flight_at_beat) + self.in_flight + self.opened_since_beat
 
     def age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.seen_at
@@ -134,7 +141,8 @@ class Replica:
         return self.age(now) <= self.beat.health_timeout_s and self.lost_at is None
 
     def routable(self, now: float | None = None) -> bool:
-        return self.healthy(now) and self.beat.state == SERVING and self.estimated_load < self.beat.capacity
+        return (self.healthy(now) and self.beat.state == SERVING and not self.refused_since_beat
+                and self.estimated_load < self.beat.capacity)
 
 
 class ServiceDirectory:
@@ -220,6 +228,7 @@ class ServiceDirectory:
             log.info("service %s: replica %s at %s", service, replica_id, beat.address)
             return
         known.beat, known.seen_at, known.opened_since_beat = beat, seen, 0
+        known.in_flight_at_beat, known.refused_since_beat = known.in_flight, False
         if known.lost_at is not None and now - known.lost_at >= beat.heartbeat_s:
             known.lost_at = None  # it beats again a heartbeat after it was found dead: it lives
 
@@ -239,9 +248,10 @@ class ServiceDirectory:
     def get(self, service: str, replica_id: str) -> Replica | None:
         return self.replicas.get(service, {}).get(replica_id)
 
-    def pick(self, service: str, *, exclude: Collection[str] = ()) -> Replica:
+    def pick(self, service: str, *, exclude: Collection[str] = (), hold: bool = True) -> Replica:
         """The routable replica of ``service`` with the lowest estimated load over capacity (ties at random);
-        counts one more unit of load on it until its next beat. ``ServiceUnavailable`` if there is none."""
+        ``hold``: a session opens on it (one more unit of load until its next beat). ``ServiceUnavailable`` if
+        there is none."""
         self._check()
         now = time.monotonic()
         known = self.replicas.get(service, {})
@@ -252,8 +262,24 @@ class ServiceDirectory:
                                               f"{len(exclude)} excluded, the rest draining or full)")
         best = min(r.estimated_load / r.beat.capacity for r in options)
         choice = random.choice([r for r in options if r.estimated_load / r.beat.capacity == best])
-        choice.opened_since_beat += 1
+        choice.opened_since_beat += int(hold)
         return choice
+
+    async def wait_pick(self, service: str, *, timeout_s: float, exclude: Collection[str] = (),
+                        hold: bool = True) -> Replica:
+        """``pick``, waiting while no replica can take it (none registered yet, all full or busy): woken by every
+        beat and every answer this caller gets; ``ServiceUnavailable`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.pick(service, exclude=exclude, hold=hold)
+            except ServiceUnavailable:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                async with self._changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._changed.wait(), left)
 
     def mark_lost(self, service: str, replica_id: str) -> None:
         """This caller found the replica dead: route nothing to it until it beats again a heartbeat later."""
@@ -301,19 +327,30 @@ class ServiceDirectory:
 
     async def call_one(self, service: str, msg: Any, *, timeout_s: float | None = None,
                        expect: type | None = None) -> Any:
-        """``msg`` to the least-loaded healthy replica; to the next one if that one is gone, overloaded or
-        draining (a retriable fault). Not retried after a timeout (the request may have been served)."""
+        """``msg`` to the least-loaded healthy replica with room, all within ``timeout_s``: while every replica is
+        busy (by this caller's estimate, or one answered ``overloaded``) it waits for room; a replica that is gone
+        or draining is left for another. Not retried after a request timed out (it may have been served)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        tried: list[str] = []
+        deadline = time.monotonic() + timeout_s
+        gone: list[str] = []
         while True:
-            replica = self.pick(service, exclude=tried)
-            tried.append(replica.replica_id)
+            replica = await self.wait_pick(service, exclude=gone, timeout_s=deadline - time.monotonic(), hold=False)
+            replica.in_flight += 1
             try:
-                return await self.request(replica, msg, timeout_s=timeout_s, expect=expect)
+                return await self.request(replica, msg, timeout_s=max(deadline - time.monotonic(), 0.001),
+                                          expect=expect)
             except (ServiceUnavailable, ServiceCallFailed) as exc:
                 if not exc.retriable:
                     raise
-                log.info("service %s: %s; trying another replica", service, exc)
+                if getattr(exc, "code", "") == "overloaded":
+                    replica.refused_since_beat = True  # room again at its next beat, or another replica
+                else:
+                    gone.append(replica.replica_id)
+                log.info("service %s: %s; trying again", service, exc)
+            finally:
+                replica.in_flight -= 1
+                async with self._changed:
+                    self._changed.notify_all()
 
     async def fanout(self, service: str, msg: Any, *, timeout_s: float | None = None,
                      expect: type | None = None) -> dict[str, Any]:

@@ -157,3 +157,49 @@ async def test_call_one_goes_to_the_least_loaded_replica_and_fails_over_fanout_r
         for reg in [*regs, broken]:
             await reg.stop()
         await nc.close()
+
+
+async def test_calls_beyond_capacity_wait_for_room_instead_of_failing(run_config) -> None:
+    """Two callers, 40 requests at once, on two replicas that serve 2 at a time: every call is served, never more
+    than its capacity at once on a replica (a caller that meets "overloaded" waits for room)."""
+    nc = await connect(run_config.nats, name="test-services")
+    names = run_config.names
+    busy = {"r0": 0, "r1": 0}
+    peak = {"r0": 0, "r1": 0}
+
+    def slow_handler(rid: str):
+        async def handle(request: RewardRequest) -> RewardReply:
+            busy[rid] += 1
+            peak[rid] = max(peak[rid], busy[rid])
+            await asyncio.sleep(0.05)
+            busy[rid] -= 1
+            return RewardReply(request_id=request.request_id, scores=np.zeros(1), errors=[""], replica_id=rid)
+        return handle
+
+    regs = [registration(nc, names, rid, handler=slow_handler(rid), service="slow", capacity=2) for rid in busy]
+    callers = [ServiceDirectory(nc, names), ServiceDirectory(nc, names)]
+    beating: list[asyncio.Future] = []
+    try:
+        for d in callers:  # callers first: the service is not registered yet, a call waits for it
+            await d.start()
+        early = asyncio.ensure_future(callers[0].call_one("slow", request(1), expect=RewardReply, timeout_s=10))
+        await asyncio.sleep(0.2)
+        assert not early.done()
+        for reg in regs:
+            await reg.start()
+        beating += [asyncio.ensure_future(reg.loop()) for reg in regs]
+        assert (await early).replica_id in busy
+        replies = await asyncio.gather(*(callers[i % 2].call_one("slow", request(1), expect=RewardReply, timeout_s=20)
+                                         for i in range(40)))
+        assert len(replies) == 40 and {r.replica_id for r in replies} == set(busy)
+        assert max(peak.values()) <= 2, peak
+        with pytest.raises(ServiceUnavailable):  # no replica of it ever: the wait ends with the call's timeout
+            await callers[0].call_one("nobody", request(1), timeout_s=0.3)
+    finally:
+        for task in beating:
+            task.cancel()
+        for d in callers:
+            await d.stop()
+        for reg in regs:
+            await reg.stop()
+        await nc.close()

@@ -93,7 +93,7 @@ def test_environment_example_is_served_and_played_through_the_router(example_mod
         def __init__(self, beat: ServiceBeat) -> None:
             self.beat = beat
 
-        def pick(self, service: str, exclude=()) -> Replica:
+        async def wait_pick(self, service: str, *, timeout_s: float, exclude=(), hold: bool = True) -> Replica:
             return Replica(self.beat, time.monotonic())
 
         def mark_lost(self, service: str, replica_id: str) -> None:
