@@ -11,6 +11,20 @@ Errors are typed (``EnvError`` and subclasses, each with ``retriable``): a sessi
 ``env.max_restarts`` times), ``NoReplica`` when none is healthy; an environment that raises on an action, runs past
 its step timeout or rejects the action raises ``EnvStepFailed``, ``EnvTimeout`` or ``ActionRejected`` (not
 retriable: the episode's outcome is decided by the generator's configured policy, never a crash).
+
+Writing an environment for it: an OpenEnv ``Environment`` subclass whose Action model has a ``text: str`` field
+(or exactly one ``str`` field), which receives the model's action, and whose Observation's ``text`` field (or
+only ``str`` field) is what the model reads next; ``reward`` and ``done`` are OpenEnv's own fields, the other
+fields arrive in ``EnvObservation.info``. An environment *rejects* an action (``ActionRejected``, the session
+stays usable) by raising ``ActionRejected`` from ``step`` or from a validator of its Action model, or by an
+Action model the text does not validate against (a ``Literal``, a pattern, a validator raising ``ValueError``);
+any other exception from ``reset`` or ``step`` is ``EnvStepFailed``. The router also rejects, before sending, an
+action longer than ``env.max_action_chars`` or one that is not valid Unicode. A session is used by one caller at
+a time (one reset or step in flight); after an ``EnvTimeout`` it is closed, and every later call raises again.
+
+``ServiceEnvRouter`` (``envs/routing.py``) is the router over replicas served by ``streamforge run env``
+(``envs/serving.py``); a lost replica raises ``ReplicaLost`` as soon as its connection drops, and at most
+``env.health_timeout_s`` after it was last heard from when it hangs.
 """
 
 from __future__ import annotations

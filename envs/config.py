@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from topics.errors import ConfigError
+from topics.names import valid_replica_id, valid_service_name
 
 # environments that ship with streamforge, by short name (``env.impl``); anything else is "module:Class"
 BUILTIN_ENVS: dict[str, str] = {}
@@ -25,11 +26,13 @@ class EnvConfig:
     max_turns: int = 8  # model turns per episode at most (then the episode is truncated)
     max_restarts: int = 2  # an episode whose replica is lost restarts from reset() on another at most this often
     step_timeout_s: float = 10.0  # a reset or step slower than this is an ``EnvTimeout``
+    max_action_chars: int = 65536  # a longer model action is rejected before it is sent (``ActionRejected``)
+    session_log: bool = False  # a replica logs every reset and step of every session (session, episode) at INFO
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ConfigError("env.port", "must be a port number (0 = free port)")
-        for key in ("capacity", "max_turns"):
+        for key in ("capacity", "max_turns", "max_action_chars"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"env.{key}", "must be at least 1")
         if self.max_restarts < 0:
@@ -39,3 +42,7 @@ class EnvConfig:
                 raise ConfigError(f"env.{key}", "must be > 0")
         if self.health_timeout_s <= self.heartbeat_s:
             raise ConfigError("env.health_timeout_s", "must be longer than env.heartbeat_s")
+        if self.name and not valid_service_name(self.name):
+            raise ConfigError("env.name", f"{self.name!r}: 1 to 64 letters, digits, '_' or '-'")
+        if self.replica_id and not valid_replica_id(self.replica_id):
+            raise ConfigError("env.replica_id", f"{self.replica_id!r}: letters, digits, '_' or '-' (at most 128)")

@@ -50,6 +50,7 @@ from runtime.context import RoleContext
 from runtime.cpus import pin
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
+from runtime.services import ServiceDirectory
 from topics.errors import CodecError, StreamforgeError
 from topics.kafka import Consumer, DeadLetters, Producer
 from topics.nats import PolicyStore, connect
@@ -93,6 +94,7 @@ class GeneratorRole(Service):
         self.intake: Intake | None = None
         self.nc: Any = None
         self.store: PolicyStore | None = None
+        self.services: ServiceDirectory | None = None  # with remote rewards: the live view of the service replicas
         self.receiver: Any = None  # weightsync.receiver.WeightReceiver when weightsync is configured
         self.refunds: DropRefunds | None = None  # with a quota: groups the buffer dropped give it back
         self.tokenizer: Any = None
@@ -142,6 +144,10 @@ class GeneratorRole(Service):
         self.store = PolicyStore(self.nc, self.names, history=ctx.nats.kv_history,
                                  timeout_s=ctx.nats.request_timeout_s)
         await self.store.start()
+        if self.rewards.remote:  # remote:<service> rewards: routed by the service layer (runtime/services.py)
+            self.services = ServiceDirectory(self.nc, self.names, timeout_s=ctx.nats.request_timeout_s)
+            await self.services.start()
+            self.rewards.bind(self.services)
         current, _ = await self.store.latest_good(on_bad=self._dead_letter_value)
         progress = await self.store.progress()
         steps = [x.step for x in (current, progress) if x is not None]
@@ -213,6 +219,8 @@ class GeneratorRole(Service):
             await self.producer.stop()
 
     async def _close_nats(self) -> None:
+        if self.services is not None:
+            await self.services.stop()
         if self.nc is not None and not self.nc.is_closed:
             await asyncio.wait_for(self.nc.drain(), self.ctx.nats.request_timeout_s)
 
@@ -224,6 +232,8 @@ class GeneratorRole(Service):
             loops["weightsync"] = self.receiver.loop()
         if self.refunds is not None:
             loops["refunds"] = self.refunds.loop()
+        if self.services is not None:
+            loops["services"] = self.services.loop()
         return loops
 
     async def drain(self) -> None:

@@ -31,6 +31,11 @@ Builtins (``BUILTINS``):
   (``prompt.metadata["dataset"]`` and ``["entry"]``, as ``producers.sources`` writes them), applied to the
   ``<answer>...</answer>`` of the response if it has one, else to the whole stripped response.
 
+``remote:<service>`` names a reward served by the replicas of a reward service (``streamforge run reward``,
+``runtime/remote_reward.py``): each group goes to one replica as one request; the generator binds it to its
+service directory (``RewardSet.bind``). A row the replica could not score, or a call that fails, is a
+``RewardFailed`` like any other.
+
 A reward that raises, returns a non-finite number (or, batched, not one number per completion), or runs longer
 than ``timeout_s`` raises ``RewardFailed`` (``reason`` = ``reward_error`` or ``reward_timeout``); the generator
 dead-letters that Episode (every Episode of the group, for a batch reward) and keeps going.
@@ -50,7 +55,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from models.tasks import get_task
-from topics.errors import ConfigError, StreamforgeError
+from runtime.remote_reward import REMOTE_PREFIX, RemoteReward
+from topics.errors import ConfigError, StreamforgeError, TimeoutExpired
 from topics.schemas import Prompt
 
 RewardFn = Callable[[Prompt, str], float]
@@ -202,6 +208,8 @@ def _import_reward(spec: str) -> RewardFn:
 
 
 def resolve(spec: str) -> RewardFn:
+    if spec.startswith(REMOTE_PREFIX):
+        return RemoteReward.from_spec(spec)  # type: ignore[return-value]
     return BUILTINS[spec] if spec in BUILTINS else _import_reward(spec)
 
 
@@ -247,6 +255,12 @@ class RewardSet:
         self.weights = [float(w) for w in weights] if weights else [1.0] * len(specs)
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
+        self.remote = [f for f in self.fns if isinstance(f, RemoteReward)]
+
+    def bind(self, directory: Any) -> None:
+        """Route the ``remote:`` rewards through ``directory`` (a started ``runtime.services.ServiceDirectory``)."""
+        for fn in self.remote:
+            fn.bind(directory)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -289,6 +303,17 @@ class RewardSet:
             raise RewardFailed(name, "reward_error", f"returned a non-finite value ({out})")
         return out
 
+    async def _remote(self, name: str, fn: RemoteReward, prompt: Prompt, texts: list[str]) -> list[float | RewardFailed]:
+        try:
+            # the call waits for a replica with room and for its answer, all within timeout_s (the outer bound is
+            # a guard): its own error says which
+            values = await asyncio.wait_for(fn.score(prompt, texts, timeout_s=self.timeout_s), self.timeout_s + 1)
+        except (TimeoutError, TimeoutExpired):
+            return [RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s")] * len(texts)
+        except Exception as exc:  # noqa: BLE001 - no replica, a replica's fault: every row of the group fails
+            return [RewardFailed(name, "reward_error", f"{type(exc).__name__}: {exc}")] * len(texts)
+        return [v if isinstance(v, float) else RewardFailed(name, v.reason, v.detail) for v in values]
+
     async def score(self, prompt: Prompt, response_text: str) -> Scored:
         """All rewards of one response, concurrently; the first failure raises ``RewardFailed``."""
         result = (await self.score_group(prompt, [response_text]))[0]
@@ -304,6 +329,8 @@ class RewardSet:
         texts = list(texts)
 
         async def per_reward(name: str, fn: Callable[..., Any], batched: bool) -> list[float | RewardFailed]:
+            if isinstance(fn, RemoteReward):
+                return await self._remote(name, fn, prompt, texts)
             if batched:
                 try:
                     return list(await self._batch(name, fn, prompt, texts))

@@ -94,7 +94,8 @@ def brokers(durable: bool, data_dir: Path | None, kafka_port: int, nats_port: in
 
 def metrics_name(role: str, config: Any) -> str:
     """The metrics label (and ``metrics-<label>.jsonl``) of a role process: its id where several may run."""
-    ident = {"generator": config.generator.generator_id, "buffer": config.buffer.buffer_id}.get(role, "")
+    ident = {"generator": config.generator.generator_id, "buffer": config.buffer.buffer_id,
+             "env": config.env.replica_id, "reward": config.reward.replica_id}.get(role, "")
     if not ident:
         return role
     return ident if ident.startswith(role) else f"{role}-{ident}"
@@ -105,7 +106,8 @@ def metrics_name(role: str, config: Any) -> str:
 @click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
 @click.pass_context
 def run(ctx: click.Context, role: str, config_path: str | None) -> None:
-    """Run one role process: feeder, generator, buffer or trainer.
+    """Run one role process: feeder, generator, buffer, trainer, env (an environment replica) or reward (a reward
+    service replica).
 
     Configure it with --section.key=value overrides after the role; `streamforge config --explain` lists every
     key with its type, default and meaning."""
@@ -118,7 +120,7 @@ def run(ctx: click.Context, role: str, config_path: str | None) -> None:
     setup_logging(config.telemetry.log_level)
     try:
         service = build_role(role, config)
-    except RoleNotAvailable as exc:
+    except (RoleNotAvailable, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     config.run_dir.mkdir(parents=True, exist_ok=True)
     setup_tracing(role, config.run_dir, exporter=config.telemetry.traces,

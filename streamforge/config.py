@@ -25,6 +25,7 @@ from consumers.config import TrainerConfig
 from envs.config import EnvConfig
 from producers.config import FeederConfig, GeneratorConfig
 from runtime.context import ModelConfig, RoleContext, RunSection, TelemetryConfig
+from services.config import RewardServiceConfig
 from streamforge.staleness import DERIVED_KEYS, StalenessConfig, check_staleness, derived_overrides
 from topics.config import KafkaConfig, NatsConfig, TopicsConfig
 from topics.errors import ConfigError, check_choices
@@ -66,6 +67,9 @@ class UpConfig:
     max_wall_s: float = 0.0  # >0: stop the whole run after this many seconds (a failure: exit code 1)
     live: Literal["auto", "table", "lines"] = "auto"  # progress view: auto = rich table on a terminal, else lines
     lag_every_s: float = 10.0  # how often the view reads consumer lag from Kafka; 0 = never
+    envs: int = 1  # replicas of `env.name` (from `env.impl`) started before the generators; none without env.name
+    rewards: int = 1  # replicas of `reward.name` (`reward.impl`) started before the generators; none without impl
+    service_wait_s: float = 120.0  # how long up waits for the replicas it started to register
 
     def __post_init__(self) -> None:
         check_choices(self, "up")
@@ -75,6 +79,9 @@ class UpConfig:
             raise ConfigError("up.buffers", "must be at least 1")
         if self.lag_every_s < 0:
             raise ConfigError("up.lag_every_s", "must be >= 0")
+        for key in ("envs", "rewards"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"up.{key}", "must be >= 0 (0: the replicas run elsewhere)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,6 +103,7 @@ class RunConfig:
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    reward: RewardServiceConfig = field(default_factory=RewardServiceConfig)
 
     def validate(self) -> None:
         """The rules that span sections, checked when a config is loaded; each error names the keys involved.
@@ -106,6 +114,7 @@ class RunConfig:
             if self.model.source not in SOURCES:
                 raise ConfigError("model.source", f"{self.model.source!r} is not one of {list(SOURCES)}")
         check_staleness(self)
+        check_service_replicas(self)
 
     def context(self) -> RoleContext:
         """What every role shares (``runtime.context``): never the whole run config."""
@@ -122,6 +131,18 @@ class RunConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def check_service_replicas(config: RunConfig) -> None:
+    """What ``up`` needs to start the replicas of the configured environment (``up.envs`` of ``env.name``)."""
+    env, up = config.env, config.up
+    if env.impl and not env.name:
+        raise ConfigError("env.name", "env.impl is set: name the service its replicas register under")
+    if env.name and up.envs > 0 and not env.impl:
+        raise ConfigError("env.impl", f"up starts {up.envs} replica(s) of {env.name!r}: name the environment to serve "
+                                      "(a built-in name or 'module:Class'), or set up.envs: 0 if they run elsewhere")
+    if env.name and up.envs > 1 and env.port != 0:
+        raise ConfigError("env.port", f"{up.envs} replicas on one host cannot share port {env.port}: use 0")
 
 
 def _section_fields(cls: type) -> dict[str, dataclasses.Field]:

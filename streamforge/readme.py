@@ -14,7 +14,8 @@ from pathlib import Path
 from topics.names import topic_table_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("topics", "runtime", "models", "envs", "weightsync", "producers", "buffer", "consumers", "streamforge", "bench")
+PACKAGES = ("topics", "runtime", "models", "envs", "weightsync", "producers", "buffer", "consumers", "services",
+            "streamforge", "bench")
 OTHER = {
     "Makefile": "`make demo` and `make test` (each builds .venv from a fresh clone)",
     "pyproject.toml": "the distribution, its dependencies and extras, pytest settings",

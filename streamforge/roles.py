@@ -16,6 +16,8 @@ ROLES: dict[str, str] = {
     "generator": "producers.generator:GeneratorRole",
     "buffer": "buffer.service:BufferRole",
     "trainer": "consumers.trainer:TrainerRole",
+    "env": "services.env_replica:EnvRole",
+    "reward": "services.reward_replica:RewardRole",
 }
 
 
@@ -50,6 +52,10 @@ def build_role(role: str, config: Any, **kwargs: Any) -> Any:
         return cls(config.generator, ctx, weightsync=config.weightsync, local_source=config.feeder, **kwargs)
     if role == "buffer":
         return cls(config.buffer, ctx, **kwargs)
+    if role == "env":
+        return cls(config.env, ctx, **kwargs)
+    if role == "reward":
+        return cls(config.reward, ctx, **kwargs)
     return cls(config.trainer, ctx, weightsync=config.weightsync,
                temperature=config.generator.temperature, max_completion_length=config.generator.max_tokens,
                max_staleness=config.staleness.max_versions if config.staleness.bounded else None, **kwargs)

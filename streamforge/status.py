@@ -1,4 +1,8 @@
-"""``streamforge status``: policy versions (latest and per generator) from NATS, lag and throughput from Kafka."""
+"""``streamforge status``: policy versions (latest and per generator) from NATS, lag and throughput from Kafka.
+
+``services`` lists every service's replicas from the services bucket (``runtime/services.py``): kind, address,
+load against capacity, state (serving or draining), the age of its last beat and whether that makes it healthy.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from runtime.services import read_services
 from topics import codec
 from topics.admin import group_lag, highwaters
 from topics.nats import PolicyStore, connect
@@ -68,7 +73,12 @@ async def nats_status(config: Any, *, listen_s: float = 2.5) -> dict[str, Any]:
             fenced = orjson.loads(raw_fenced) if raw_fenced else {}
         except orjson.JSONDecodeError:
             fenced = {"error": "undecodable fencing record"}
+        try:
+            services: dict[str, Any] = await read_services(nc, config.names, timeout_s=config.nats.request_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a status reader reports what it cannot read (e.g. no permission)
+            services = {"error": f"{type(exc).__name__}: {exc}"}
         return {
+            "services": services,
             "latest_version": None if latest is None else latest.version,
             "latest_step": None if latest is None else latest.step,
             "revision": revision,
@@ -82,4 +92,4 @@ async def nats_status(config: Any, *, listen_s: float = 2.5) -> dict[str, Any]:
 async def status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any]:
     policy, topics = await asyncio.gather(nats_status(config, listen_s=max(interval_s, 2.5)),
                                           kafka_status(config, interval_s=interval_s))
-    return {"policy": policy, "topics": topics}
+    return {"policy": policy, "services": policy.pop("services"), "topics": topics}

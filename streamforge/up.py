@@ -5,7 +5,9 @@ their data in ``<run_dir>/brokers``; with them it archives the run's topics in `
 written (``brokers.archive``, ``streamforge/logarchive.py``: restored first when the directory has one), so the
 run's log outlives ``up``; it creates the run's topics, prepares the model when ``model.path`` is empty (converts ``model.source`` once into its
 cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every role with
-``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``). It waits for the trainer to finish
+``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``): the service replicas of the configured
+environment and reward service (``up.envs``, ``up.rewards``; ``streamforge/replicas.py``) first, the generators
+once those have registered. It waits for the trainer to finish
 (``trainer.max_steps`` or ``trainer.reward_target``: it exits 0 and writes ``trainer/done.json``; a trainer that
 exits without it did not finish, a failure), then drains the other roles (SIGTERM, SIGKILL after
 ``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
@@ -283,6 +285,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         def child(name: str, role: str, extra: list[str] = ()) -> Child:  # type: ignore[assignment]
             return Child(name, role, [*base, role, *cfg_args, *common, *extra], run_dir / "logs" / f"{name}.log")
 
+        from streamforge.replicas import replica_children, wait_registered
         from streamforge.roles import RoleNotAvailable, role_class
 
         missing = []
@@ -303,13 +306,26 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         children = [trainer, child("feeder", "feeder")]
         children += [child(f"buffer-{i}", "buffer", [f"--buffer.buffer_id=buffer-{i}"])
                      for i in range(config.up.buffers)]
+        replicas = replica_children(config, child)  # environment and reward replicas (streamforge/replicas.py)
+        children += replicas
         for i, bind in enumerate(cpu_binds(config.up.generators)):
             gen = child(f"generator-{i}", "generator", [f"--generator.generator_id=generator-{i}"])
             if bind is not None:
                 gen.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
             children.append(gen)
         for c in children:
-            c.start()
+            if c.role != "generator":  # generators start once the service replicas are registered
+                c.start()
+        why = await wait_registered(config, replicas, stop)
+        if why:
+            print(f"service replicas: {why}", file=sys.stderr, flush=True)
+            for c in replicas:
+                if c.poll() is not None:
+                    print(f"last lines of {c.log_path}:\n{c.log_tail()}", file=sys.stderr, flush=True)
+            return 130 if stop.is_set() else 1
+        for c in children:
+            if c.role == "generator":
+                c.start()
         print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
         view = ProgressView(config)
         view.start()

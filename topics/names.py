@@ -66,7 +66,33 @@ CATALOG: tuple[Channel, ...] = (
     Channel("kv", "policy", "trainer (weightsync fencing)", "buffer, generator, trainer (a restart keeps it)",
             "`fenced`",
             "JSON {generator_id: {last_acked_version, fenced_at, missed_version}}", "weightsync.ack_deadline_s"),
+    Channel("kv", "services", "env, reward (each replica every `heartbeat_s` with a TTL of `health_timeout_s` "
+            "rounded up; deleted when it stops)", "generator (env sessions and `remote:` rewards), status, up (waits "
+            "for the replicas it started)", "`<service>.<replica_id>`", "ServiceBeat", "env.health_timeout_s"),
+    Channel("nats", "svc.<service>.<replica_id>", "generator (`remote:<service>` rewards: a batch per request)",
+            "reward", "-", "RewardRequest -> RewardReply or ServiceFault", "reward.name"),
 )
+
+# service and replica names: they are parts of NATS subjects and KV keys (no dots, no wildcards)
+MAX_SERVICE_NAME = 64
+_SERVICE_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_SERVICE_NAME - 1}}}$")
+_REPLICA_RE = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9_-]{{0,{MAX_MEMBER_ID - 1}}}$")
+
+
+def valid_service_name(name: str) -> bool:
+    """A service name (``env.name``, ``reward.name``): 1 to 64 letters, digits, ``_`` or ``-``."""
+    return bool(_SERVICE_RE.match(name))
+
+
+def valid_replica_id(replica_id: str) -> bool:
+    """A replica id: 1 to ``MAX_MEMBER_ID`` letters, digits, ``_`` or ``-``, starting with a letter or digit."""
+    return bool(_REPLICA_RE.match(replica_id))
+
+
+def safe_replica_id(text: str) -> str:
+    """``text`` (a hostname with dots, say) made a valid replica id: other characters become ``-``."""
+    out = re.sub(r"[^A-Za-z0-9_-]", "-", text).lstrip("-_")[:MAX_MEMBER_ID]
+    return out or "replica"
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +160,15 @@ class Names:
     def policy_bucket(self) -> str:
         return f"{self.prefix}_policy"
 
+    @property
+    def services_bucket(self) -> str:
+        """The KV bucket where every replica of every service beats (``runtime/services.py``)."""
+        return f"{self.prefix}_services"
+
+    def service_subject(self, service: str, replica_id: str) -> str:
+        """Where one replica of ``service`` takes requests."""
+        return f"{self.prefix}.svc.{service}.{replica_id}"
+
     LATEST_KEY = "latest"
     PROGRESS_KEY = "progress"
 
@@ -147,7 +182,7 @@ class Names:
 
     def resolve(self, channel: Channel) -> str:
         if channel.kind == "kv":
-            return self.policy_bucket
+            return f"{self.prefix}_{channel.suffix}"
         return f"{self.prefix}.{channel.suffix}"
 
 
@@ -155,7 +190,7 @@ def topic_table_markdown(prefix: str = "{prefix}") -> str:
     """The README table of every topic, subject and bucket."""
     rows = ["| kind | name | producer | consumer | key | schema | config key |", "|---|---|---|---|---|---|---|"]
     for c in CATALOG:
-        name = f"{prefix}_policy" if c.kind == "kv" else f"{prefix}.{c.suffix}"
+        name = f"{prefix}_{c.suffix}" if c.kind == "kv" else f"{prefix}.{c.suffix}"
         kind = {"kafka": "Kafka topic", "nats": "NATS subject", "kv": "JetStream KV bucket"}[c.kind]
         rows.append(
             f"| {kind} | `{name}` | {c.producers} | {c.consumers.replace('{prefix}', prefix)} | {c.key} "

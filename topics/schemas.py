@@ -305,9 +305,100 @@ class DeadLetter:
     created_at: float = field(default_factory=_now)
 
 
+@dataclass(kw_only=True, slots=True)
+class ServiceBeat:
+    """A replica of a service saying where it serves, how much it holds and how long to trust it: the value of key
+    ``<service>.<replica_id>`` of the KV bucket ``{prefix}_services``, rewritten every ``heartbeat_s`` with a
+    time-to-live (``runtime/services.py``). ``load`` counts what it holds now (an environment's live sessions, a
+    reward service's batches in flight) against ``capacity``."""
+
+    SCHEMA: ClassVar[str] = "service_beat"
+    VERSION: ClassVar[int] = 1
+
+    service: str
+    replica_id: str
+    kind: str = ""  # "env" | "reward" | any other kind of service
+    address: str = ""  # how callers reach it: ws://host:port (an environment), a NATS subject (request/reply)
+    capacity: int = 1
+    load: int = 0
+    state: str = "serving"  # "serving" | "draining" (finishing what it holds, takes nothing new)
+    heartbeat_s: float = 1.0  # how often it beats
+    health_timeout_s: float = 3.0  # a caller that heard nothing from it for longer routes nothing to it
+    seq: int = 0  # beats since it started
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)  # what callers of this kind need (an env's action field)
+    created_at: float = field(default_factory=_now)
+
+    def validate(self) -> None:
+        if self.capacity < 1 or self.load < 0:
+            raise InvalidMessage(f"service beat {self.replica_id}: capacity {self.capacity}, load {self.load}")
+        if not (math.isfinite(self.health_timeout_s) and self.health_timeout_s > 0):
+            raise InvalidMessage(f"service beat {self.replica_id}: health_timeout_s {self.health_timeout_s}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServiceFault:
+    """A replica's answer to a request it could not serve (``code``: malformed, unknown_request, handler_error,
+    overloaded, draining); ``retriable``: another replica may serve the same request."""
+
+    SCHEMA: ClassVar[str] = "service_fault"
+    VERSION: ClassVar[int] = 1
+
+    code: str
+    detail: str = ""
+    replica_id: str = ""
+    retriable: bool = False
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardRequest:
+    """A batch of responses for a reward service to score, column by column (row ``i`` is ``responses[i]`` to the
+    prompt ``prompt_ids[i]``); ``metadata`` holds each prompt's metadata by prompt id."""
+
+    SCHEMA: ClassVar[str] = "reward_request"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str = ""
+    prompt_ids: list[str] = field(default_factory=list)
+    tasks: list[str] = field(default_factory=list)
+    prompt_texts: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=_now)
+
+    def validate(self) -> None:
+        n = len(self.responses)
+        if any(len(col) != n for col in (self.prompt_ids, self.tasks, self.prompt_texts, self.answers)):
+            raise InvalidMessage(f"reward request {self.request_id}: columns differ in length")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardReply:
+    """A reward service's scores for one ``RewardRequest``, row by row; ``errors[i]`` is empty where ``scores[i]``
+    is good, else why that row has no score (its score is then NaN)."""
+
+    SCHEMA: ClassVar[str] = "reward_reply"
+    VERSION: ClassVar[int] = 1
+
+    request_id: str = ""
+    scores: np.ndarray = tensor("float64", 1, default=True)
+    errors: list[str] = field(default_factory=list)
+    replica_id: str = ""
+    seconds: float = 0.0
+    created_at: float = field(default_factory=_now)
+
+    def validate(self) -> None:
+        if len(self.errors) != len(self.scores):
+            raise InvalidMessage(f"reward reply {self.request_id}: {len(self.scores)} scores, {len(self.errors)} errors")
+
+
 ALL_SCHEMAS: tuple[type, ...] = (
     Prompt, Episode, Batch, PolicyVersion, TrainerProgress, VersionAck, Membership, SFTExample, DropRecord,
-    DeadLetter,
+    DeadLetter, ServiceBeat, ServiceFault, RewardRequest, RewardReply,
 )
 
 

@@ -21,7 +21,10 @@ ROLE_OF = {
     "consumers/trainer.py": "trainer", "consumers/source.py": "trainer", "weightsync/publisher.py": "trainer",
     "weightsync/policy_kv.py": "trainer",
     "streamforge/audit.py": "audit", "streamforge/status.py": "status", "streamforge/tail.py": "tail",
+    "services/env_replica.py": "env", "services/reward_replica.py": "reward", "runtime/remote_reward.py": "generator",
+    "streamforge/replicas.py": "up",
 }
+SERVICE_KEY, SERVICE_SUBJECT = "kv:<service>.<replica_id>", "svc.<service>.<replica_id>"
 KAFKA_READERS = {"Consumer", "RecordSource", "read_topic", "DropRefunds"}  # GroupOffsets reads offsets only
 SUBJECT_ATTRS = {"policy_subject": "policy.version", "membership_subject": "generators.membership",
                  "ack_subject": "generators.ack"}
@@ -64,6 +67,14 @@ def code_channels() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
                 consumers["kv:fenced"].add(role)
             if fn == "put" and "FENCED_KEY" in used:
                 producers["kv:fenced"].add(role)
+            if fn in ("ServiceDirectory", "read_services"):  # runtime/services.py: watches the services bucket
+                consumers[SERVICE_KEY].add(role)
+            if fn == "ServiceRegistration":  # beats in the bucket; with a handler, takes requests on its subject
+                producers[SERVICE_KEY].add(role)
+                if any(k.arg == "handler" for k in call.keywords):
+                    consumers[SERVICE_SUBJECT].add(role)
+            if fn in ("call_one", "fanout"):
+                producers[SERVICE_SUBJECT].add(role)
             if fn in KAFKA_READERS:
                 for attr in used & set(TOPIC_ATTRS):
                     consumers[TOPIC_ATTRS[attr]].add(role)

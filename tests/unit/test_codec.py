@@ -55,6 +55,14 @@ def messages(draw: st.DrawFn, cls: type) -> object:
             kwargs[name] = np.zeros((0, 0), dtype=np.int32)
         for name, dtype in (("episode_partitions", np.int32), ("episode_offsets", np.int64)):  # [B] or empty
             kwargs[name] = np.arange(draw(st.sampled_from([0, b])), dtype=dtype)
+    if cls is schemas.ServiceBeat:  # validate(): a capacity, a load, a positive health timeout
+        kwargs.update(capacity=draw(st.integers(1, 2**31)), load=draw(st.integers(0, 2**31)),
+                      health_timeout_s=draw(st.floats(0.5, 1e6, width=32)))
+    if cls is schemas.RewardRequest:  # validate(): columns of one length
+        for name in ("prompt_ids", "tasks", "prompt_texts", "answers", "responses"):
+            kwargs[name] = draw(st.lists(TEXT, min_size=n, max_size=n))
+    if cls is schemas.RewardReply:  # validate(): one error string per score
+        kwargs["errors"] = draw(st.lists(TEXT, min_size=n, max_size=n))
     return cls(**kwargs)
 
 

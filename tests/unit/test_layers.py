@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),  # policies and tasks shared by generators and trainers
     ("envs",),  # environments for multi-turn episodes and the routing to their replicas
     ("weightsync",),  # weights from the trainer into the generators' engines
-    ("producers", "buffer", "consumers"),  # the roles: none imports another
+    ("producers", "buffer", "consumers", "services"),  # the roles: none imports another
     ("streamforge",),  # the app: CLI, up, the notebook API, the composed run config
 ]
 RANK = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
