@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-# the worktree's code first, then tests/ (the replicas import helpers.envs, helpers.rewards)
+# the worktree's code first, then tests/ (the replicas import helpers.countenv, helpers.rewards)
 ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 FAST_BEATS = ["--env.heartbeat_s=0.5", "--env.health_timeout_s=1.5"]
 
@@ -30,8 +30,8 @@ def start_role(role: str, cfg: Any, log_path: Path, *args: str) -> subprocess.Po
 
 
 def start_env_replica(cfg: Any, replica_id: str, log_path: Path, *args: str) -> subprocess.Popen:
-    """A replica of the test environment ``count`` (``helpers.envs:CountEnv``) that logs every session message."""
-    return start_role("env", cfg, log_path, "--env.name=count", "--env.impl=helpers.envs:CountEnv",
+    """A replica of the test environment ``count`` (``helpers.countenv:CountEnv``) that logs every session message."""
+    return start_role("env", cfg, log_path, "--env.name=count", "--env.impl=helpers.countenv:CountEnv",
                       f"--env.replica_id={replica_id}", "--env.capacity=16", "--env.session_log=true", *FAST_BEATS,
                       *args)
 

@@ -241,10 +241,10 @@ async def test_status_lists_the_replicas_with_load_and_health(replicas) -> None:
 
 
 @pytest.mark.parametrize(("args", "key"), [
-    (["--env.impl=helpers.envs:CountEnv"], "env.name"),
+    (["--env.impl=helpers.countenv:CountEnv"], "env.name"),
     (["--env.name=count"], "env.impl"),
     (["--env.name=count", "--env.impl=helpers.nosuch:Env"], "env.impl"),
-    (["--env.name=count.x", "--env.impl=helpers.envs:CountEnv"], "env.name"),
+    (["--env.name=count.x", "--env.impl=helpers.countenv:CountEnv"], "env.name"),
 ])
 def test_run_env_with_bad_config_fails_naming_the_key(tmp_path: Path, args: list[str], key: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "streamforge", "run", "env", "--run.run_dir=" + str(tmp_path),

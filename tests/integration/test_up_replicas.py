@@ -20,7 +20,7 @@ from topics.nats import connect
 
 pytestmark = pytest.mark.timeout(120)
 
-SERVICES = ["--env.name=count", "--env.impl=helpers.envs:CountEnv", "--up.envs=2", "--env.heartbeat_s=0.5",
+SERVICES = ["--env.name=count", "--env.impl=helpers.countenv:CountEnv", "--up.envs=2", "--env.heartbeat_s=0.5",
             "--env.health_timeout_s=1.5", "--reward.name=judge", "--reward.impl=services.reward_examples:toy_judge",
             "--up.rewards=1", "--reward.heartbeat_s=0.5", "--reward.health_timeout_s=1.5"]
 

@@ -11,7 +11,7 @@ from openenv.core.env_server.types import Action, Observation, State
 from envs.api import ActionRejected
 from envs.config import EnvConfig
 from envs.serving import REJECTED_PREFIX, Rejected, _peek, env_types, resolve_env, serving_classes, text_field
-from helpers.envs import CountAction, CountEnv, CountObservation
+from helpers.countenv import CountAction, CountEnv, CountObservation
 from services.config import RewardServiceConfig
 from streamforge.config import load_config
 from topics.errors import ConfigError
@@ -46,10 +46,10 @@ class Untyped(Annotated):
 
 
 def test_the_environment_and_its_models_are_found_by_name_and_by_annotation() -> None:
-    assert resolve_env("helpers.envs:CountEnv") is CountEnv
+    assert resolve_env("helpers.countenv:CountEnv") is CountEnv
     assert env_types(CountEnv) == (CountAction, CountObservation)  # Environment[Action, Observation, State]
     assert env_types(Annotated) == (Move, Board)  # step(self, action: Move) -> Board
-    for impl in ("", "helpers.nosuch:Env", "helpers.envs", "helpers.rewards:flaky_judge"):
+    for impl in ("", "helpers.nosuch:Env", "helpers.countenv", "helpers.rewards:flaky_judge"):
         with pytest.raises(ConfigError) as err:
             resolve_env(impl)
         assert err.value.key == "env.impl"
@@ -108,7 +108,7 @@ def test_the_session_log_reads_messages_without_trusting_them(raw: str | bytes, 
 
 @pytest.mark.parametrize(("overrides", "key"), [
     (["--env.name=count"], "env.impl"),  # up would start a replica of an environment it cannot name
-    (["--env.impl=helpers.envs:CountEnv"], "env.name"),
+    (["--env.impl=helpers.countenv:CountEnv"], "env.name"),
     (["--env.name=count", "--env.impl=x:Y", "--up.envs=2", "--env.port=9000"], "env.port"),
     (["--env.name=a.b", "--up.envs=0"], "env.name"),
     (["--env.replica_id=a:b"], "env.replica_id"),

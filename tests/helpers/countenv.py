@@ -1,4 +1,4 @@
-"""An OpenEnv environment for the tests, served by real replicas (``--env.impl helpers.envs:CountEnv``).
+"""An OpenEnv environment for the tests, served by real replicas (``--env.impl helpers.countenv:CountEnv``).
 
 ``CountEnv`` counts turns: ``reset`` answers ``episode <id> starts``; a step echoes the action with its turn
 (``turn <n>: <first 40 characters>``), reward 1.0 per turn, done after ``options["turns"]`` turns (default 3).
