@@ -10,8 +10,9 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
 * streamforge sync: ``streamforge.train`` with ``staleness.max_versions: 0`` (every batch from the latest weights;
   the buffer's and generators' bounds derive from it: one batch ahead, no lag) and ``trainer.publish_busy: wait``
   (the trainer waits for each swap).
-* streamforge async: the demo's settings: ``staleness.max_versions: 2`` and ``publish_busy: skip`` (generation and
-  swaps overlap training).
+* streamforge async: the demo's settings (``configs/demo.yaml``): ``staleness.max_versions: 4``
+  (``--async-staleness``) and ``publish_busy: skip`` (generation and swaps overlap training). ``--sf KEY=VALUE``
+  sets more streamforge keys for both modes (``--sf trainer.publish_every=2``).
 
 Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
 the comparison with TRL is of the two systems as configured, the one with sync of asynchrony alone. Its
@@ -104,6 +105,7 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     # sync (lag 0): every batch from the latest weights, the trainer waiting for each swap; async: the demo's
     # bound (staleness.max_versions 2, the buffer's and generators' bounds derived) and a trainer that never waits
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
+    extra.update(kv.split("=", 1) for kv in args.sf)
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
                    num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
                    max_steps=args.max_steps, reward_target=args.target, max_staleness=lag, seed=args.seed,
@@ -189,6 +191,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=900.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
+    p.add_argument("--async-staleness", type=int, default=4, help="staleness.max_versions of the async mode")
+    p.add_argument("--sf", action="append", default=[], metavar="KEY=VALUE", help="a streamforge config key")
     p.add_argument("--breakdown", action="store_true",
                    help="print where a streamforge step's time goes (medians from each run's traces, in ms)")
     p.add_argument("--filter-zero-variance", type=int, default=1,
@@ -209,7 +213,7 @@ def main() -> None:
     if "sync" in systems:
         res["sync"] = run_streamforge(model_dir, args, out, lag=0)
     if "async" in systems:
-        res["async"] = run_streamforge(model_dir, args, out, lag=2)
+        res["async"] = run_streamforge(model_dir, args, out, lag=args.async_staleness)
     for name, r in res.items():
         print(f"{name:6s} time to {args.target}: {r['seconds']} s  best running reward {r['best_reward']:.3f}  "
               f"steps {r['steps']}")

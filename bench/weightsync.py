@@ -7,13 +7,14 @@ requests in flight the whole time ("live").
 
 * push: per version, the snapshot's header and buckets go over the pair group while the worker receives them on
   its prefetch thread and stages them in its shadow model (generation continues); once ``weightsync_ready`` says
-  so, ``engine.swap`` commits them (``update_weights``) inside the pause. push bytes/s = snapshot bytes /
+  so, ``engine.swap`` commits them (``weightsync_commit``: vLLM's start, update and finish in one call) inside
+  the pause. push bytes/s = snapshot bytes /
   trainer-side send time (the worker posted its receive first).
 * raw: the same buffers broadcast over the same pair group into plain receives on the same worker thread that
   prefetches pushes, also while generating (nothing decoded or loaded). A 1-byte broadcast first makes sure the
   receiver is waiting, then the bulk is timed.
 * pause: ``Engine.swap`` milliseconds per version on the tiny model, and its phases (medians):
-  ``pause`` (until the scheduler is idle), ``load`` (the ``update_weights`` RPC), ``resume``; from the worker:
+  ``pause`` (until the scheduler is idle), ``load`` (the ``weightsync_commit`` RPC), ``resume``; from the worker:
   ``worker_commit`` (the in-pause copy), ``worker_reload`` (an in-pause layerwise reload: 0 when staged) and
   ``stage_before_pause`` (the layerwise reload into the shadow, outside the pause). ``--no-staged`` measures the
   unstaged path (the reload inside the pause) for comparison.
@@ -64,7 +65,7 @@ def build_model(out: Path, hidden: int, layers: int) -> Path:
 
 async def run(args: argparse.Namespace) -> dict:
     from safetensors.torch import load_file
-    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest, WeightTransferUpdateRequest
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
     from producers.engine import Engine, Sampling
     from weightsync import vllm_args
@@ -106,19 +107,17 @@ async def run(args: argparse.Namespace) -> dict:
         nbytes = snap.nbytes
         # push: receiver posted first (prefetch), then the trainer sends; the engine keeps generating
         await llm.collective_rpc("weightsync_prefetch", args=(v,))
-        await llm.start_weight_update()
         await asyncio.sleep(0.01)
         push_s.append(await asyncio.to_thread(send_push, pg, snap))
         while not (await llm.collective_rpc("weightsync_ready"))[0]["done"]:  # received and staged, as the
             await asyncio.sleep(0.005)  # WeightReceiver waits before it pauses
-        request = WeightTransferUpdateRequest(update_info={"version": v})
+        committed: dict = {}
 
-        async def update(llm, request=request):
-            await llm.update_weights(request)
+        async def update(llm, v=v, committed=committed):  # the receiver's one call inside the pause
+            committed.update((await llm.collective_rpc("weightsync_commit", args=(v,)))[0])
 
         pauses.append(await engine.swap(v, update, mode="keep"))
-        await llm.finish_weight_update(weight_version=str(v))
-        stats = (await llm.collective_rpc("weightsync_stats"))[0]
+        stats = committed
         assert int(stats["version"]) == v, stats
         loads.append((stats["init_s"] + stats["load_s"] + stats["finalize_s"] + stats["commit_s"]) * 1000)
         phases.append({**engine.last_swap_ms, "worker_commit": stats["commit_s"] * 1000,

@@ -13,8 +13,10 @@ role supervises ``loop()``, then ``stop()`` (which says ``leave``). ``loop()`` r
     it will push at once (``-1`` for none); then ``init_weight_transfer_engine``. Each push is received and
     staged by the worker while generation continues (``weightsync_prefetch``: the transfer, then vLLM's layerwise
     reload into a shadow model, ``weightsync/staging.py``); the receiver waits for that (``weightsync_ready``)
-    before it pauses, so the pause holds only ``update_weights``, which commits the staged version (tensor copies);
-    ``start_weight_update`` comes before the pause and ``finish_weight_update`` after it;
+    before it pauses, so the pause holds only the commit of the staged version (tensor copies): vLLM's
+    ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` run in the worker in one call
+    (``weightsync_commit``), so a swap costs the engine a prefetch, a few readiness polls, the pause and the
+    commit, and vLLM's own record of the weight version after the resume;
   - ``none``: the initial weights of the model path; adopted without loading.
 
   and publishes a ``VersionAck`` (ok, pause and transfer times, or the error). A failed transfer drops the pair;
@@ -72,6 +74,7 @@ class WeightReceiver:
         self.latest_seen = -1  # newest version announced by the store
         self.pauses_ms: list[float] = []
         self._address = ""  # trainer rendezvous this engine is joined to ("" = none)
+        self._expected_s = 0.0  # how long the last push took to receive and stage in the worker
         self._started = False
         self._stopped = False
 
@@ -213,23 +216,20 @@ class WeightReceiver:
 
     async def _receive(self, version: int) -> None:
         """Prefetch the push of ``version`` (generation continues), then load it inside ``engine.swap``."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         t0 = time.perf_counter()
         llm = self.engine.llm
         await self._rpc(llm.collective_rpc("weightsync_prefetch", args=(version,)), "prefetch")
         await self._wait_staged(llm)
-        # start is a no-op for the gloo engine and finish has nothing left to do after update_weights, so only
-        # update_weights (the commit of the staged version) sits inside the pause.
-        await self._begin_update(llm)
-        request = WeightTransferUpdateRequest(update_info={"version": version})
+        stats: dict[str, Any] = {}
 
-        async def load(llm: Any) -> None:
-            await self._rpc(llm.update_weights(request), "update_weights", factor=3)
+        async def load(llm: Any) -> None:  # the pause holds this one call: the commit of the staged version
+            stats.update((await self._rpc(llm.collective_rpc("weightsync_commit", args=(version,)),
+                                          "weightsync_commit", factor=3))[0])
 
         pause = await self.engine.swap(version, load, mode=self.cfg.pause_mode)
-        await self._rpc(llm.finish_weight_update(weight_version=str(version)), "finish_weight_update")
-        stats = (await self._rpc(self.engine.llm.collective_rpc("weightsync_stats"), "stats"))[0]
+        await self._rpc(llm.update_weight_version(str(version)), "update_weight_version")
+        self._expected_s = float(stats.get("receive_s", 0.0)) + float(stats.get("stage_s", 0.0))
         if int(stats["version"]) != version:
             self.engine.version = int(stats["version"])
             raise LoadFailed(f"expected version {version}, the trainer pushed {int(stats['version'])}")
@@ -239,28 +239,22 @@ class WeightReceiver:
     async def _wait_staged(self, llm: Any) -> None:
         """Wait until the worker has received and staged the push, so that none of it happens inside the pause.
 
-        Asks ``weightsync_ready`` (non-blocking) with a backoff from 2 to 50 ms: a blocking wait inside the worker
-        would stall the engine's loop, and the engine offers no completion channel. Bounded by ``2 * timeout_s``;
-        past that (or on a failed receive) ``update_weights`` reports the failure under its own bound."""
+        Asks ``weightsync_ready`` (non-blocking): a blocking wait inside the worker would stall the engine's loop,
+        and the engine offers no completion channel. The first ask comes after 70% of the time the last push took
+        to receive and stage, then asks back off from 2 ms to a twentieth of that time (5 to 50 ms), so a push that
+        takes as long as the last one is seen within a few ms of being ready with a handful of asks. Bounded by
+        ``2 * timeout_s``; past that (or on a failed receive) the commit reports the failure under its own bound."""
         deadline = time.monotonic() + self.cfg.timeout_s * 2
-        delay = 0.002
+        expected = self._expected_s
+        if expected > 0:
+            await asyncio.sleep(min(0.7 * expected, self.cfg.timeout_s))
+        delay, cap = 0.002, min(max(expected / 20, 0.005), 0.05)
         while time.monotonic() < deadline:
             state = (await self._rpc(llm.collective_rpc("weightsync_ready"), "weightsync_ready"))[0]
             if state["done"] or not state["pending"]:
                 return
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
-
-    async def _begin_update(self, llm: Any) -> None:
-        """``start_weight_update``; if an earlier update was left open (its RPC timed out here while the worker
-        went on), close it first."""
-        try:
-            await self._rpc(llm.start_weight_update(), "start_weight_update")
-        except Exception as exc:
-            if "already active" not in str(exc):
-                raise
-            await self._rpc(llm.finish_weight_update(), "finish_weight_update")
-            await self._rpc(llm.start_weight_update(), "start_weight_update")
+            delay = min(delay * 2, cap)
 
     def _file_loader(self, path: str):
         # vLLM's reload_weights on a missing or empty directory leaves the model on meta tensors (the next step

@@ -6,6 +6,9 @@ from the generator through ``AsyncLLM.collective_rpc(name, ...)``:
 * ``weightsync_prefetch(version)``: start receiving the next push and staging it (returns at once);
 * ``weightsync_ready()``: whether that push is received and staged (non-blocking: the generator asks before it
   pauses the engine, so the pause holds only the commit);
+* ``weightsync_commit(version)``: vLLM's ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` on
+  this worker in one call (one round trip inside the generator's pause instead of three around it), returning
+  ``weightsync_stats()``;
 * ``weightsync_stats()``: the last loaded version, its size, receive and load times;
 * ``weightsync_raw_prefetch(sizes)`` / ``weightsync_raw_wait()``: receive plain buffers of the given sizes over
   the same pair group on the same thread as a push, loading nothing (the benchmark's raw-broadcast baseline).
@@ -34,6 +37,17 @@ class WeightSyncWorkerExtension:
 
     def weightsync_ready(self) -> dict[str, Any]:
         return self._weightsync_engine().ready()
+
+    def weightsync_commit(self, version: int) -> dict[str, Any]:
+        """Load the prefetched push of ``version`` through vLLM's own worker protocol (start, update, finish) and
+        return the stats. An update an earlier call left open (its caller timed out while this worker went on) is
+        finished first."""
+        if getattr(self, "_weight_update_active", False):
+            self.finish_weight_update()
+        self.start_weight_update()
+        self.update_weights({"version": version})
+        self.finish_weight_update()
+        return self.weightsync_stats()
 
     def weightsync_stats(self) -> dict[str, Any]:
         engine = getattr(self, "weight_transfer_engine", None)
