@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from topics import codec
+from topics import codec, refusals
 from topics.config import NatsConfig
 from topics.errors import BrokerUnavailable, CodecError, StaleWriter, TimeoutExpired
 from topics.names import Names
@@ -64,9 +64,12 @@ def connect_kwargs(cfg: NatsConfig, *, name: str) -> dict[str, Any]:
 async def connect(cfg: NatsConfig, *, name: str) -> NATS:
     """Connect with retries and exponential backoff; ``BrokerUnavailable`` names the address if all fail."""
     kw = connect_kwargs(cfg, name=name)
+    made: list[NATS] = []
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats %s: %s", name, exc)
+        if made:  # a permissions violation fails the call that caused it at once (topics/refusals.py)
+            refusals.note(made[0], exc)
 
     delay = 0.25
     for attempt in range(1, cfg.connect_retries + 1):
@@ -75,6 +78,7 @@ async def connect(cfg: NatsConfig, *, name: str) -> NATS:
             nc = await asyncio.wait_for(nats.connect(**kw, error_cb=on_error, allow_reconnect=True),
                                         timeout=3 * cfg.connect_timeout_s + 1)
             nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever: roles degrade, not die
+            made.append(nc)
             return nc
         except Exception as exc:  # nats-py raises NoServersError, OSError, TimeoutError...
             if attempt == cfg.connect_retries:
@@ -122,12 +126,14 @@ class PolicyStore:
         if self._kv is not None:
             return
         js = self.nc.jetstream(timeout=self.timeout_s)
+        stream = f"KV_{self.names.policy_bucket}"  # a user that may not open it: PermissionDenied at once
+        api = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", "$JS.API.INFO"]
         try:
-            self._kv = await js.key_value(self.names.policy_bucket)
+            self._kv = await refusals.guarded(self.nc, api, js.key_value(self.names.policy_bucket))
         except BucketNotFoundError:
-            self._kv = await js.create_key_value(
+            self._kv = await refusals.guarded(self.nc, api, js.create_key_value(
                 KeyValueConfig(bucket=self.names.policy_bucket, history=self.history)
-            )
+            ))
 
     @property
     def kv(self) -> Any:
