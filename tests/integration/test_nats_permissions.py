@@ -18,7 +18,7 @@ from envs.config import EnvConfig
 from envs.routing import ServiceEnvRouter
 from runtime.registration import ServiceRegistration
 from runtime.remote_reward import RemoteReward, request_for
-from runtime.services import ServiceDirectory, read_services
+from runtime.services import ServiceDirectory, open_bucket, read_services
 from streamforge.brokers import free_port, nats_server_binary
 from streamforge.config import load_config
 from streamforge.permissions import ROLES, ServiceScope, nats_authorization
@@ -283,5 +283,37 @@ async def test_a_user_without_the_right_is_refused_at_once(tmp_path: Path) -> No
             await status_dir.stop()
             for reg in registrations:
                 await reg.stop()
+            for nc in conns.values():
+                await nc.close()
+
+
+async def test_a_big_services_bucket_is_watched_to_the_end_through_flow_control(tmp_path: Path) -> None:
+    """A watch of ~13 MB makes nats-server ask the watcher for flow control (``$JS.FC.<stream>.>``, seen in a
+    server trace): the generator's and status's users may answer it, so they read every beat."""
+    names = Names("perm")
+    async with secured_server(tmp_path, names, SCOPE) as url:
+        conns = {role: await connect(as_role(url, role, request_timeout_s=5.0), name=role)
+                 for role in ("env", "generator", "status")}
+        try:
+            js = conns["env"].jetstream(timeout=5.0)
+            await open_bucket(conns["env"], names)
+            value = b"x" * 64_000
+            await asyncio.gather(*(js.publish(f"$KV.{names.services_bucket}.count.r{i}", value) for i in range(200)))
+
+            async def count(watcher) -> int:
+                seen = 0
+                async for entry in watcher:
+                    if entry is None:  # the initial values are all read
+                        return seen
+                    seen += 1
+                return seen
+
+            for role in ("generator", "status"):
+                watcher = await (await open_bucket(conns[role], names, create=False)).watch(">")
+                try:  # without flow control answered, delivery stalls: bounded here
+                    assert await asyncio.wait_for(count(watcher), 20) == 200, role
+                finally:
+                    await watcher.stop()
+        finally:
             for nc in conns.values():
                 await nc.close()
