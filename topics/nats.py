@@ -190,9 +190,10 @@ class PolicyStore:
         data = codec.encode(pv)
         try:
             if expected_revision == 0:
-                rev = await self.kv.create(self.names.LATEST_KEY, data)
+                rev = await self._write(self.names.LATEST_KEY, self.kv.create(self.names.LATEST_KEY, data))
             else:
-                rev = await self.kv.update(self.names.LATEST_KEY, data, last=expected_revision)
+                rev = await self._write(self.names.LATEST_KEY,
+                                        self.kv.update(self.names.LATEST_KEY, data, last=expected_revision))
         except KeyWrongLastSequenceError as exc:
             raise StaleWriter(self.names.LATEST_KEY, expected_revision) from exc
         await publish_msg(self.nc, self.names.policy_subject, pv)
@@ -208,7 +209,11 @@ class PolicyStore:
 
     async def put(self, key: str, value: bytes) -> int:
         """Write an auxiliary key of the bucket (e.g. fencing records)."""
-        return await self.kv.put(key, value)
+        return await self._write(key, self.kv.put(key, value))
+
+    async def _write(self, key: str, write: Awaitable[int]) -> int:
+        """``write`` (a KV write of ``key``); ``PermissionDenied`` at once if this user may not write it."""
+        return await refusals.guarded(self.nc, [f"$KV.{self.names.policy_bucket}.{key}"], write)
 
     async def get(self, key: str) -> bytes | None:
         try:
@@ -238,7 +243,7 @@ class PolicyStore:
 
     async def put_progress(self, progress: TrainerProgress) -> int:
         """Write the trainer's progress (plain put: only the trainer writes it, and the newest wins)."""
-        return await self.kv.put(self.names.PROGRESS_KEY, codec.encode(progress))
+        return await self._write(self.names.PROGRESS_KEY, self.kv.put(self.names.PROGRESS_KEY, codec.encode(progress)))
 
     async def watch(self, on_bad: OnBadMessage | None = None) -> AsyncIterator[PolicyVersion]:
         """Yield the current version (if any), then every newer one as it is written. Runs until cancelled.
