@@ -125,8 +125,8 @@ async def test_each_role_can_do_its_part_and_no_more(secured) -> None:
         await status.subscribe(names.ack_subject, cb=on_status)
         await status.flush()
         await publish_msg(gen, names.ack_subject, VersionAck(generator_id="g", version=1))
-        await asyncio.sleep(0.5)
-        assert got and names.membership_subject in heard and names.ack_subject in heard
+        await until(lambda: got and names.membership_subject in heard and names.ack_subject in heard, 10,
+                    "status and the trainer to hear the generator")
         # neither a generator nor a buffer can write the store: the write is refused at once, the value stays
         for store in (g_store, b_store):
             with pytest.raises(PermissionDenied):
