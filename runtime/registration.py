@@ -23,6 +23,7 @@ from runtime.services import DRAINING, SERVING, open_bucket, service_key
 from topics import codec
 from topics.errors import CodecError
 from topics.names import Names, valid_replica_id, valid_service_name
+from topics.refusals import guarded, subscribe_checked
 from topics.schemas import ServiceBeat, ServiceFault
 
 log = logging.getLogger("streamforge.services")
@@ -79,16 +80,22 @@ class ServiceRegistration:
         return service_key(self.service, self.replica_id)
 
     @property
+    def subject(self) -> str:
+        """Where this replica's beats (and its key's deletion) are written: its key's subject in the bucket."""
+        return f"$KV.{self.names.services_bucket}.{self.key}"
+
+    @property
     def load(self) -> int:
         return int(self._load()) if self._load is not None else self.in_flight
 
     async def start(self) -> None:
         if self._kv is not None:
             return
-        self._kv = await open_bucket(self.nc, self.names, timeout_s=self.timeout_s)
-        if self.handler is not None:
-            self._sub = await self.nc.subscribe(self.address, cb=self._on_request)
+        kv = await open_bucket(self.nc, self.names, timeout_s=self.timeout_s)
+        if self.handler is not None and self._sub is None:  # flushed: a user that may not serve here is refused now
+            self._sub = await subscribe_checked(self.nc, self.address, cb=self._on_request, timeout_s=self.timeout_s)
         await self.beat()
+        self._kv = kv  # registered: stop() deletes the key
         log.info("service %s: replica %s registered at %s (capacity %d)", self.service, self.replica_id,
                  self.address, self.capacity)
 
@@ -102,8 +109,8 @@ class ServiceRegistration:
         """Write one beat with its TTL (the server forgets this replica if no newer beat replaces it in time)."""
         self._seq += 1
         js = self.nc.jetstream(timeout=self.timeout_s)
-        await js.publish(f"$KV.{self.names.services_bucket}.{self.key}", codec.encode(self.beat_message()),
-                         msg_ttl=max(1, math.ceil(self.health_timeout_s)))
+        await guarded(self.nc, [self.subject], js.publish(self.subject, codec.encode(self.beat_message()),
+                                                          msg_ttl=max(1, math.ceil(self.health_timeout_s))))
         self.counts["beats"] += 1
 
     async def loop(self) -> None:
@@ -137,7 +144,7 @@ class ServiceRegistration:
             task.cancel()
         if self._kv is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._kv.delete(self.key), self.timeout_s)
+                await asyncio.wait_for(guarded(self.nc, [self.subject], self._kv.delete(self.key)), self.timeout_s)
         self._kv = None
 
     async def _on_request(self, msg: Any) -> None:

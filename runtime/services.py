@@ -50,8 +50,9 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError
 
 from topics import codec
-from topics.errors import CodecError, StreamforgeError, TimeoutExpired
+from topics.errors import CodecError, PermissionDenied, StreamforgeError, TimeoutExpired
 from topics.names import Names
+from topics.refusals import guarded
 from topics.schemas import ServiceBeat, ServiceFault
 from topics.tracing import nats_headers
 
@@ -81,18 +82,24 @@ class ServiceCallFailed(StreamforgeError):
         self.replica_id = fault.replica_id
 
 
-async def open_bucket(nc: NATS, names: Names, *, timeout_s: float = 5.0) -> Any:
-    """The run's services bucket, created (history 1, per-message TTLs allowed) if it does not exist yet."""
+async def open_bucket(nc: NATS, names: Names, *, timeout_s: float = 5.0, create: bool = True) -> Any:
+    """The run's services bucket, created (history 1, per-message TTLs allowed) if it does not exist yet (``create``;
+    else ``BucketNotFoundError``). A user whose NATS permissions refuse it gets ``PermissionDenied`` at once."""
     js = nc.jetstream(timeout=timeout_s)
+    stream = f"KV_{names.services_bucket}"
+    api = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", "$JS.API.INFO"]
     try:
-        return await js.key_value(names.services_bucket)
+        return await guarded(nc, api, js.key_value(names.services_bucket))
     except BucketNotFoundError:
-        pass
+        if not create:
+            raise
     try:
-        return await js.create_key_value(KeyValueConfig(bucket=names.services_bucket, history=1,
-                                                        limit_marker_ttl=MARKER_TTL_S))
+        return await guarded(nc, api, js.create_key_value(KeyValueConfig(bucket=names.services_bucket, history=1,
+                                                                         limit_marker_ttl=MARKER_TTL_S)))
+    except PermissionDenied:
+        raise
     except Exception:  # noqa: BLE001 - another process created it first: open theirs
-        return await js.key_value(names.services_bucket)
+        return await guarded(nc, api, js.key_value(names.services_bucket))
 
 
 def service_key(service: str, replica_id: str) -> str:
@@ -152,8 +159,9 @@ class ServiceDirectory:
     as a task of its own (``loop()`` awaits it, for a role that supervises it); if it fails, every later pick
     raises its error. ``stop()`` ends it. Callers on one event loop share one directory."""
 
-    def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, nc: NATS, names: Names, *, timeout_s: float = 5.0, create: bool = True) -> None:
         self.nc, self.names, self.timeout_s = nc, names, timeout_s
+        self.create = create  # create the bucket if it does not exist (False: a read-only caller)
         self.replicas: dict[str, dict[str, Replica]] = {}
         self.counts = {"beats": 0, "undecodable": 0, "expired": 0, "lost": 0}
         self._task: asyncio.Task | None = None
@@ -164,8 +172,11 @@ class ServiceDirectory:
     async def start(self) -> None:
         if self._task is not None:
             return
-        kv = await open_bucket(self.nc, self.names, timeout_s=self.timeout_s)
-        self._watcher = await kv.watch(">")
+        kv = await open_bucket(self.nc, self.names, timeout_s=self.timeout_s, create=self.create)
+        stream = f"KV_{self.names.services_bucket}"
+        watch_api = [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                     f"$JS.API.CONSUMER.INFO.{stream}.>"]
+        self._watcher = await guarded(self.nc, watch_api, kv.watch(">"))
         self._task = asyncio.ensure_future(self._watch())
         ready = asyncio.ensure_future(self._ready.wait())
         await asyncio.wait([ready, self._task], timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -307,10 +318,12 @@ class ServiceDirectory:
     # -- request/reply ------------------------------------------------------------------------------------------
     async def request(self, replica: Replica, msg: Any, *, timeout_s: float, expect: type | None = None) -> Any:
         """One request to one replica: its reply, ``ServiceCallFailed`` for its fault, ``TimeoutExpired`` or
-        ``ServiceUnavailable`` (no responder: the replica is gone) otherwise."""
+        ``ServiceUnavailable`` (no responder: the replica is gone) otherwise; ``PermissionDenied`` if this caller's
+        NATS user may not send it."""
         service = replica.beat.service
         try:
-            raw = await self.nc.request(replica.address, codec.encode(msg), timeout=timeout_s, headers=nats_headers())
+            raw = await guarded(self.nc, [replica.address], self.nc.request(
+                replica.address, codec.encode(msg), timeout=timeout_s, headers=nats_headers()))
         except nats.errors.NoRespondersError:
             self.mark_lost(service, replica.replica_id)
             raise ServiceUnavailable(service, f"replica {replica.replica_id} does not answer") from None
@@ -378,9 +391,12 @@ def replica_row(beat: ServiceBeat, *, age_s: float, healthy: bool) -> dict[str, 
 
 async def read_services(nc: NATS, names: Names, *, timeout_s: float = 5.0) -> dict[str, list[dict[str, Any]]]:
     """The registered replicas of every service as ``streamforge status`` lists them (one read, no watch): health
-    from the age of each beat by the replica's clock."""
-    directory = ServiceDirectory(nc, names, timeout_s=timeout_s)
-    await directory.start()
+    from the age of each beat by the replica's clock. It creates nothing: no bucket yet, no services."""
+    directory = ServiceDirectory(nc, names, timeout_s=timeout_s, create=False)
+    try:
+        await directory.start()
+    except BucketNotFoundError:
+        return {}
     try:
         return directory.snapshot()
     finally:

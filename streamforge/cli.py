@@ -170,10 +170,10 @@ def config_command(ctx: click.Context, config_path: str | None, explain: bool, s
 @click.pass_context
 def nats_permissions(ctx: click.Context, config_path: str | None) -> None:
     """Print nats-server's `authorization` block for the run: one user per role, each allowed only its subjects."""
-    from streamforge.permissions import nats_authorization
+    from streamforge.permissions import config_authorization
 
     config = _load(config_path, tuple(ctx.args))
-    click.echo(nats_authorization(config.names), nl=False)
+    click.echo(config_authorization(config), nl=False)
 
 
 @main.group()

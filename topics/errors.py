@@ -95,6 +95,20 @@ class AuthenticationFailed(BrokerError):
         self.user = user
 
 
+class PermissionDenied(BrokerError):
+    """The broker refused this client's user a publish or a subscription (``operation``: ``publish`` or
+    ``subscribe``) to ``subject``: its NATS permissions (``streamforge nats-permissions``) do not allow it. Not
+    retriable: the same user is refused again."""
+
+    retriable = False
+
+    def __init__(self, operation: str, subject: str) -> None:
+        super().__init__(f"nats refused this user's {operation} to {subject!r} (its permissions do not allow it; "
+                         "see `streamforge nats-permissions`)")
+        self.operation = operation
+        self.subject = subject
+
+
 class StaleWriter(StreamforgeError):
     """A compare-and-set write lost: somebody else wrote a newer value first."""
 

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from topics import codec
+from topics import codec, refusals
 from topics.config import NatsConfig
 from topics.errors import BrokerUnavailable, CodecError, StaleWriter, TimeoutExpired
 from topics.names import Names
@@ -64,9 +64,12 @@ def connect_kwargs(cfg: NatsConfig, *, name: str) -> dict[str, Any]:
 async def connect(cfg: NatsConfig, *, name: str) -> NATS:
     """Connect with retries and exponential backoff; ``BrokerUnavailable`` names the address if all fail."""
     kw = connect_kwargs(cfg, name=name)
+    made: list[NATS] = []
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats %s: %s", name, exc)
+        if made:  # a permissions violation fails the call that caused it at once (topics/refusals.py)
+            refusals.note(made[0], exc)
 
     delay = 0.25
     for attempt in range(1, cfg.connect_retries + 1):
@@ -75,6 +78,7 @@ async def connect(cfg: NatsConfig, *, name: str) -> NATS:
             nc = await asyncio.wait_for(nats.connect(**kw, error_cb=on_error, allow_reconnect=True),
                                         timeout=3 * cfg.connect_timeout_s + 1)
             nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever: roles degrade, not die
+            made.append(nc)
             return nc
         except Exception as exc:  # nats-py raises NoServersError, OSError, TimeoutError...
             if attempt == cfg.connect_retries:
@@ -122,12 +126,14 @@ class PolicyStore:
         if self._kv is not None:
             return
         js = self.nc.jetstream(timeout=self.timeout_s)
+        stream = f"KV_{self.names.policy_bucket}"  # a user that may not open it: PermissionDenied at once
+        api = [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", "$JS.API.INFO"]
         try:
-            self._kv = await js.key_value(self.names.policy_bucket)
+            self._kv = await refusals.guarded(self.nc, api, js.key_value(self.names.policy_bucket))
         except BucketNotFoundError:
-            self._kv = await js.create_key_value(
+            self._kv = await refusals.guarded(self.nc, api, js.create_key_value(
                 KeyValueConfig(bucket=self.names.policy_bucket, history=self.history)
-            )
+            ))
 
     @property
     def kv(self) -> Any:
@@ -184,9 +190,10 @@ class PolicyStore:
         data = codec.encode(pv)
         try:
             if expected_revision == 0:
-                rev = await self.kv.create(self.names.LATEST_KEY, data)
+                rev = await self._write(self.names.LATEST_KEY, self.kv.create(self.names.LATEST_KEY, data))
             else:
-                rev = await self.kv.update(self.names.LATEST_KEY, data, last=expected_revision)
+                rev = await self._write(self.names.LATEST_KEY,
+                                        self.kv.update(self.names.LATEST_KEY, data, last=expected_revision))
         except KeyWrongLastSequenceError as exc:
             raise StaleWriter(self.names.LATEST_KEY, expected_revision) from exc
         await publish_msg(self.nc, self.names.policy_subject, pv)
@@ -202,7 +209,11 @@ class PolicyStore:
 
     async def put(self, key: str, value: bytes) -> int:
         """Write an auxiliary key of the bucket (e.g. fencing records)."""
-        return await self.kv.put(key, value)
+        return await self._write(key, self.kv.put(key, value))
+
+    async def _write(self, key: str, write: Awaitable[int]) -> int:
+        """``write`` (a KV write of ``key``); ``PermissionDenied`` at once if this user may not write it."""
+        return await refusals.guarded(self.nc, [f"$KV.{self.names.policy_bucket}.{key}"], write)
 
     async def get(self, key: str) -> bytes | None:
         try:
@@ -232,7 +243,7 @@ class PolicyStore:
 
     async def put_progress(self, progress: TrainerProgress) -> int:
         """Write the trainer's progress (plain put: only the trainer writes it, and the newest wins)."""
-        return await self.kv.put(self.names.PROGRESS_KEY, codec.encode(progress))
+        return await self._write(self.names.PROGRESS_KEY, self.kv.put(self.names.PROGRESS_KEY, codec.encode(progress)))
 
     async def watch(self, on_bad: OnBadMessage | None = None) -> AsyncIterator[PolicyVersion]:
         """Yield the current version (if any), then every newer one as it is written. Runs until cancelled.

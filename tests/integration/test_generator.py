@@ -275,6 +275,46 @@ async def test_reward_failures_go_to_dead_letter(run_config, engine, model_dir):
     assert all(r == "reward_timeout" and "0.3 s" in d for r, d in reasons["p2"])
 
 
+async def test_remote_reward_is_scored_by_a_reward_replica(run_config, engine, model_dir):
+    """``remote:judge`` in ``generator.rewards``: the generator builds its service directory and each group is scored
+    by a real reward replica (``streamforge run reward`` serving ``toy_judge``, which scores as ``toy`` does)."""
+    from helpers.replicas import start_role, stop
+    from runtime.services import ServiceDirectory
+    from topics.nats import connect
+
+    replica = start_role("reward", run_config, run_config.run_dir / "logs" / "judge-0.log", "--reward.name=judge",
+                         "--reward.replica_id=judge-0", "--reward.impl=services.reward_examples:toy_judge",
+                         "--reward.heartbeat_s=0.5", "--reward.health_timeout_s=1.5")
+    nc = await connect(run_config.nats, name="test-remote-reward")
+    directory = ServiceDirectory(nc, run_config.names)
+    try:
+        await directory.start()
+        await directory.wait_for("judge", 1, timeout_s=60)  # registered: the generator's first group finds it
+        cfg = configure(run_config, model_dir, group_size=2, max_tokens=4, generator_id="g-remote",
+                        rewards=["toy", "remote:judge"], reward_weights=[1.0, 2.0])
+        prompts = [p for _, p in zip(range(4), toy_prompts("addmod10", seed=5))]
+        await feed(cfg, prompts)
+        role = build_role("generator", cfg, engine=engine)
+        stop_event = asyncio.Event()
+        task = asyncio.create_task(role.serve(stop_event))
+        async with Tail(cfg, cfg.names.episodes, Episode) as tail:
+            records = await tail.until(lambda rs: len(rs) >= 8, 60, "8 episodes", task)
+        assert role.services is not None and role.services.get("judge", "judge-0") is not None
+        await stop_role(stop_event, task)
+    finally:
+        await directory.stop()
+        await nc.close()
+        stop([replica])
+    answers = {p.prompt_id: p.answer for p in prompts}
+    assert sorted({r.value.group_id for r in records}) == sorted(answers)
+    for r in records:
+        ep = r.value
+        toy = TASKS["addmod10"].score(ep.response_text, answers[ep.group_id])
+        assert ep.reward_components == {"toy": toy, "judge": toy}, ep.reward_components  # the replica's score
+        assert ep.reward == 3 * toy
+    assert role.stats["dead_lettered"] == 0 and replica.returncode == 0  # the replica drained and exited cleanly
+
+
 async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, engine, model_dir):
     """``stop`` while prompts are in flight: drain finishes them (Episodes acked) and commits their offsets."""
     cfg = configure(run_config, model_dir, group_size=2, max_tokens=4, max_concurrent_prompts=4, generator_id="g4",

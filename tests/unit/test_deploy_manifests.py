@@ -351,9 +351,9 @@ def test_dockerfiles_install_the_package_with_its_extra(flavor):
 def test_the_nats_authorization_files_are_what_the_cli_prints() -> None:
     """``deploy/nats/authorization-*.conf`` are ``streamforge nats-permissions`` for the examples' prefixes."""
     from streamforge.config import load_config
-    from streamforge.permissions import nats_authorization
+    from streamforge.permissions import config_authorization
 
     k8s = load_config(None, ["--run.prefix=k8s"], environ={})
     compose = load_config(ROOT / "deploy" / "compose" / "run.yaml", [], environ={})
     for name, cfg in (("k8s", k8s), ("compose", compose)):
-        assert (ROOT / "deploy" / "nats" / f"authorization-{name}.conf").read_text() == nats_authorization(cfg.names)
+        assert (ROOT / "deploy" / "nats" / f"authorization-{name}.conf").read_text() == config_authorization(cfg)
