@@ -74,7 +74,7 @@ async def run(args: argparse.Namespace) -> dict:
     from weightsync.wire import pack
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-ws-"))
-    model_dir = build_model(tmp / "model", args.hidden, args.layers)
+    model_dir = Path(args.model) if getattr(args, "model", "") else build_model(tmp / "model", args.hidden, args.layers)
     base = load_file(str(model_dir / "model.safetensors"))
     cfg = WeightSyncConfig(transport="gloo", timeout_s=60, staged_load=args.staged)
     engine = Engine(str(model_dir), max_model_len=128, extra_args=vllm_args(cfg))
@@ -156,6 +156,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--throughput-hidden", type=int, default=1024,
                     help="a second run on a wider model for the bandwidth ratio (0 = skip)")
+    ap.add_argument("--model", default="", help="an HF model directory (e.g. SmolLM2's) instead of the tiny one: "
+                    "its push and pause alone, no throughput run")
     ap.add_argument("--staged", action=argparse.BooleanOptionalAction, default=True,
                     help="stage each push in a shadow model before the pause (the default, as in the generator)")
     args = ap.parse_args()
@@ -163,7 +165,7 @@ def main() -> None:
     print(json.dumps({"run": "tiny", **tiny}), flush=True)
     result = {"bench": "weightsync", "pause_ms": round(tiny["pause_ms"], 2),
               "bytes_per_s_vs_broadcast": round(tiny["bytes_per_s_vs_broadcast"], 3)}
-    if args.throughput_hidden and args.hidden <= 0:
+    if args.throughput_hidden and args.hidden <= 0 and not args.model:
         wide = asyncio.run(run(argparse.Namespace(swaps=args.swaps, hidden=args.throughput_hidden,
                                                   layers=args.layers, staged=args.staged)))
         print(json.dumps({"run": f"hidden{args.throughput_hidden}", **wide}), flush=True)

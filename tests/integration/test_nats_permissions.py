@@ -186,7 +186,7 @@ async def test_replicas_serve_and_a_generator_routes_to_them_each_under_its_own_
                                                       "--reward.replica_id=judge-0",
                                                       "--reward.impl=services.reward_examples:toy_judge"))
             env = build_role("env", role_config(url, tmp_path / "run", "env", "--env.name=count",
-                                                "--env.replica_id=count-0", "--env.impl=helpers.envs:CountEnv"))
+                                                "--env.replica_id=count-0", "--env.impl=helpers.countenv:CountEnv"))
             served = [asyncio.ensure_future(r.serve(stop)) for r in (reward, env)]
             await directory.wait_for("judge", 1, timeout_s=30)
             await directory.wait_for("count", 1, timeout_s=30)
