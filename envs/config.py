@@ -8,7 +8,10 @@ from topics.errors import ConfigError
 from topics.names import valid_replica_id, valid_service_name
 
 # environments that ship with streamforge, by short name (``env.impl``); anything else is "module:Class"
-BUILTIN_ENVS: dict[str, str] = {}
+BUILTIN_ENVS: dict[str, str] = {
+    "blackjack": "envs.builtin_blackjack:BlackjackEnv",
+    "calculator": "envs.builtin_calculator:CalculatorEnv",
+}
 
 
 @dataclass(kw_only=True, slots=True)
