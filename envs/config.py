@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from topics.errors import ConfigError
@@ -29,6 +30,7 @@ class EnvConfig:
     max_turns: int = 8  # model turns per episode at most (then the episode is truncated)
     max_restarts: int = 2  # an episode whose replica is lost restarts from reset() on another at most this often
     step_timeout_s: float = 10.0  # a reset or step slower than this is an ``EnvTimeout``
+    penalty: float = -1.0  # added to the reward of an episode that ends on an action the environment rejected
     max_action_chars: int = 65536  # a longer model action is rejected before it is sent (``ActionRejected``)
     session_log: bool = False  # a replica logs every reset and step of every session (session, episode) at INFO
 
@@ -40,6 +42,8 @@ class EnvConfig:
                 raise ConfigError(f"env.{key}", "must be at least 1")
         if self.max_restarts < 0:
             raise ConfigError("env.max_restarts", "must be >= 0")
+        if not math.isfinite(self.penalty):
+            raise ConfigError("env.penalty", "must be a finite number")
         for key in ("heartbeat_s", "health_timeout_s", "step_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"env.{key}", "must be > 0")
