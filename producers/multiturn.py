@@ -12,7 +12,8 @@ The model's tokens carry their behaviour logprobs and the policy version that sa
 shows between or inside turns); the environment's tokens are masked (``Episode.token_mask`` 0, logprob 0,
 version -1). Its ``reward`` is the sum of the environment's per-turn rewards. The observation of the step that
 ends the episode is not appended (nothing would read it). ``generator.max_tokens`` bounds the whole response
-(model and environment tokens), ``model.max_seq_len`` the whole sequence.
+(model and environment tokens), ``model.max_seq_len`` the whole sequence, ``env.max_turn_tokens`` one turn (a
+turn cut there is still sent as the action).
 
 Outcomes (``finish_reason``; each counted in ``counts`` and as ``generator/env/<outcome>`` metrics):
 
@@ -231,7 +232,7 @@ class MultiTurnPipeline:
             if room < 1:
                 finish = "length"
                 break
-            sampling = replace(self.sampling, max_tokens=room)
+            sampling = replace(self.sampling, max_tokens=min(room, self.env.max_turn_tokens or room))
             [c] = await self.engine.generate(
                 prompt_tokens + play.tokens, 1, sampling,
                 request_id=f"{self.generator_id}:{episode_id}:{restarts}:{turn}")

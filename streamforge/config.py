@@ -143,6 +143,10 @@ def check_service_replicas(config: RunConfig) -> None:
                                       "(a built-in name or 'module:Class'), or set up.envs: 0 if they run elsewhere")
     if env.name and up.envs > 1 and env.port != 0:
         raise ConfigError("env.port", f"{up.envs} replicas on one host cannot share port {env.port}: use 0")
+    kind, _, source_env = config.feeder.source.partition(":")
+    if kind == "env" and source_env != env.name:
+        raise ConfigError("feeder.source", f"{config.feeder.source!r} feeds episodes of {source_env!r}, but env.name "
+                                           f"is {env.name!r}: the generator plays env.name")
 
 
 def _section_fields(cls: type) -> dict[str, dataclasses.Field]:
