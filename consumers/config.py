@@ -23,7 +23,7 @@ class TrainerConfig:
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the warm-up
     grad_clip: float = 1.0  # max gradient norm (0 = no clipping)
     max_steps: int = 0  # 0 = run as long as batches arrive
-    reward_target: float = 0.0  # >0: stop when the running mean reward reaches it
+    reward_target: float = 0.0  # non-zero: stop when the running mean reward reaches it (a negative target: blackjack)
     publish_every: int = 1  # publish a PolicyVersion every k steps
     # a publication falling due while the previous round still waits for generators' acks: "wait" for it (the
     # trainer stalls on the slowest swap) or "skip" (train on; those steps join the next version, published at

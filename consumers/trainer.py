@@ -347,7 +347,7 @@ class TrainerRole(Service):
     def _done_reason(self) -> str:
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
             return f"max_steps {self.cfg.max_steps} reached"
-        if (self.cfg.reward_target > 0 and len(self._rewards) == self._rewards.maxlen
+        if (self.cfg.reward_target != 0 and len(self._rewards) == self._rewards.maxlen
                 and float(np.mean(self._rewards)) >= self.cfg.reward_target):
             return f"mean reward {np.mean(self._rewards):.3f} >= target {self.cfg.reward_target}"
         return ""
