@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -210,3 +211,15 @@ def test_max_turns_and_the_token_budget_end_the_episode():
     ep = producer.sent[0]
     assert ep.finish_reason in ("length", "truncated") and len(ep.response_tokens) <= 40
     assert np.all(np.diff(ep.turn_ids) >= 0)
+
+
+@pytest.mark.parametrize("config", ["blackjack", "calculator", "calculator-smollm2"])
+def test_shipped_multiturn_configs_load_and_a_foreign_env_source_names_its_key(config: str):
+    from streamforge.config import load_config
+    from topics.errors import ConfigError
+
+    path = Path(__file__).resolve().parents[2] / "configs" / f"{config}.yaml"
+    cfg = load_config(path, [], environ={})
+    assert cfg.feeder.source == f"env:{cfg.env.name}" and cfg.env.impl in ("blackjack", "calculator")
+    with pytest.raises(ConfigError, match="feeder.source"):
+        load_config(path, ["--feeder.source=env:other"], environ={})
