@@ -27,7 +27,7 @@ from openenv.core.env_server.types import Action, Observation, State
 MAX_EXPR_CHARS = 200
 MAX_DEPTH = 16
 MAX_VALUE = 10**15
-_CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
+_CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d+)?)|(.))")
 

@@ -90,7 +90,7 @@ class TurnRenderer:
         before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
         head = self._chat(before, generation=False)
         full = self._chat([*before, {"role": "user", "content": text}], generation=True)
-        return self._ids(full[len(head):] if full.startswith(head) else full, special=False)
+        return self._ids(full.removeprefix(head), special=False)
 
 
 @dataclass(slots=True)

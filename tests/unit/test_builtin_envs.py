@@ -9,8 +9,15 @@ from fractions import Fraction
 import pytest
 
 from envs.api import ActionRejected
-from envs.builtin_blackjack import (BlackjackAction, BlackjackEnv, basic_policy, basic_strategy, hand_total,
-                                    mean_reward, random_policy)
+from envs.builtin_blackjack import (
+    BlackjackAction,
+    BlackjackEnv,
+    basic_policy,
+    basic_strategy,
+    hand_total,
+    mean_reward,
+    random_policy,
+)
 from envs.builtin_calculator import CalcError, CalculatorAction, CalculatorEnv, evaluate, format_value, make_problem
 from envs.serving import env_types, resolve_env, text_field
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from envs.api import ActionRejected, EnvObservation, EnvStepFailed, EnvTimeout, NoReplica, ReplicaLost
+from envs.api import EnvObservation, EnvStepFailed, EnvTimeout, NoReplica, ReplicaLost
 from envs.builtin_blackjack import BlackjackAction, BlackjackEnv
 from envs.builtin_calculator import CalculatorAction, CalculatorEnv
 from envs.config import EnvConfig
@@ -131,7 +131,7 @@ def blackjack(**kw: Any) -> LocalRouter:
 def test_a_blackjack_episode_interleaves_masked_observations_and_swaps_show_per_token():
     """hit, hit, ... until the hand ends: model turns masked 1 with their versions, observations 0 and -1."""
     engine = ScriptedEngine(lambda text: "hit", swap_after=1)
-    pipe, producer, dead = run_group(blackjack(), engine, group_size=1)
+    _, producer, dead = run_group(blackjack(), engine, group_size=1)
     [ep] = producer.sent
     assert not dead.letters and ep.finish_reason == "done" and ep.turns >= 2
     mask, turns, versions = ep.token_mask, ep.turn_ids, ep.token_versions
@@ -151,6 +151,7 @@ def test_the_group_shares_one_deal():
     pipe, producer, _ = run_group(blackjack(), ScriptedEngine(lambda text: "stand"), group_size=3)
     assert len({ep.prompt_tokens.tobytes() for ep in producer.sent}) == 1
     assert len({ep.reward for ep in producer.sent}) == 1 and pipe.stats["episodes"] == 3
+    assert pipe.counts["done"] == 3
 
 
 def test_a_tool_call_is_answered_in_the_context_and_counted():

@@ -87,7 +87,7 @@ def _hf_model(tiny_dir) -> torch.nn.Module:
 def test_no_loss_reads_or_trains_the_environment_tokens(name: str, model):
     """For every built-in loss: d loss / d logprobs is 0 at every position off the model's tokens (prompt,
     environment, padding) and not all 0 on them; the environment's old logprobs can be anything."""
-    eps, padded, packed = batches()
+    _, padded, packed = batches()
     loss_fn = make_loss(name)
     for batch in (padded, packed):
         inputs = batch_inputs(batch)
@@ -96,7 +96,7 @@ def test_no_loss_reads_or_trains_the_environment_tokens(name: str, model):
         logprobs, entropy = inputs.per_episode(logprobs), inputs.per_episode(entropy)
         extras = {"entropy": entropy, "prox_logprobs": inputs.old_logprobs}
 
-        def loss_of(old: torch.Tensor) -> torch.Tensor:
+        def loss_of(old: torch.Tensor, logprobs=logprobs, inputs=inputs, extras=extras) -> torch.Tensor:
             return loss_fn(logprobs, old, inputs.advantages, inputs.mask, logprobs.detach(), **extras)[0]
 
         loss = loss_of(inputs.old_logprobs)
