@@ -7,7 +7,7 @@ trained, it looks for the newest export of the trainer's weights (``producers/ev
 ``hf/``, and with ``weightsync.transport: file`` every version's directory); once one is at least
 ``eval.every_versions`` versions past the last it evaluated, it loads it (``reload_weights``) and evaluates it on
 the held-out prompts (``eval_prompts``: the task's ``eval`` split, disjoint from every training prompt): one greedy
-completion per prompt (``eval/reward_mean`` with the training rewards, ``eval/accuracy`` = share whose
+completion per prompt (``eval/reward_mean`` with the training rewards, local ones only, ``eval/accuracy`` = share whose
 ``eval.correct_reward`` is >= 1) and ``eval.samples`` sampled ones at ``eval.temperature`` (``eval/pass_at_k``,
 ``eval/pass_at_1``). Each evaluation appends one row to ``<run_dir>/eval.jsonl``: ``policy_version``, ``step``,
 ``time_s`` (since this evaluator started), ``eval/reward_mean``, ``eval/accuracy``, ``eval/pass_at_k``,
@@ -49,8 +49,15 @@ import orjson
 from models.tiny_model import ensure_model
 from producers.config import GeneratorConfig
 from producers.engine import Engine, Sampling
-from producers.evaluation import (EvalConfig, Export, PromptResult, available_exports, due_export, resolve_source,
-                                  summarise)
+from producers.evaluation import (
+    EvalConfig,
+    Export,
+    PromptResult,
+    available_exports,
+    due_export,
+    resolve_source,
+    summarise,
+)
 from producers.prompts import PromptChecker
 from producers.rewards import RewardFailed, RewardSet
 from producers.sources import eval_prompts
@@ -58,7 +65,6 @@ from runtime.context import RoleContext
 from runtime.cpus import pin
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
-from runtime.services import ServiceDirectory
 from topics.errors import ConfigError, StreamforgeError
 from topics.nats import PolicyStore, connect
 from topics.schemas import PolicyVersion, Prompt
@@ -98,7 +104,6 @@ class EvaluatorRole(Service):
         self.prompts: list[tuple[Prompt, list[int]]] = []
         self.nc: Any = None
         self.store: PolicyStore | None = None
-        self.services: ServiceDirectory | None = None
         self.latest: PolicyVersion | None = None
         self.last_version: int | None = None  # the last version evaluated (None: none yet)
         self.skipped = 0
@@ -125,6 +130,8 @@ class EvaluatorRole(Service):
             raise ConfigError("eval.source", f"{self.source!r} gives no held-out prompt")
         self.rewards = RewardSet(gen.rewards, gen.reward_weights, timeout_s=gen.reward_timeout_s,
                                  max_workers=min(32, 2 * (cfg.samples + 1)))
+        if self.rewards.remote:
+            raise ConfigError("generator.rewards", "the evaluator scores with local rewards only (no remote:)")
         self.correct = cfg.correct_reward or self.rewards.names[0]
         if self.correct not in self.rewards.names:
             raise ConfigError("eval.correct_reward", f"{self.correct!r} is not one of generator.rewards "
@@ -151,10 +158,6 @@ class EvaluatorRole(Service):
         self.nc = await connect(ctx.nats, name="evaluator")
         self.store = PolicyStore(self.nc, ctx.names, history=ctx.nats.kv_history, timeout_s=ctx.nats.request_timeout_s)
         await self.store.start()
-        if self.rewards.remote:
-            self.services = ServiceDirectory(self.nc, ctx.names, timeout_s=ctx.nats.request_timeout_s)
-            await self.services.start()
-            self.rewards.bind(self.services)
         self.latest, _ = await self.store.latest_good()
         done = read_eval_rows(self.path)
         if done:  # a restart continues after what it evaluated
@@ -166,8 +169,6 @@ class EvaluatorRole(Service):
                  self.last_version)
 
     async def _stop(self) -> None:
-        if self.services is not None:
-            await self.services.stop()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), self.ctx.nats.request_timeout_s)
@@ -179,10 +180,7 @@ class EvaluatorRole(Service):
             await self.engine.stop()
 
     def loops(self) -> dict[str, Any]:
-        loops = {"policy": self._policy(), "progress": self._progress(), "evaluate": self._evaluate_loop()}
-        if self.services is not None:
-            loops["services"] = self.services.loop()
-        return loops
+        return {"policy": self._policy(), "progress": self._progress(), "evaluate": self._evaluate_loop()}
 
     async def drain(self) -> None:
         """Finish the evaluation in flight, then evaluate the newest export not evaluated yet (the final one)."""
@@ -254,6 +252,10 @@ class EvaluatorRole(Service):
             return None
         return self.staging
 
+    def _append(self, row: dict[str, Any]) -> None:
+        with open(self.path, "ab") as fh:  # one write per row
+            fh.write(orjson.dumps(row) + b"\n")
+
     async def _evaluate(self, export: Export, *, path: Path | None = None, loaded: bool = False) -> None:
         """Load ``export`` (unless ``loaded``), evaluate every held-out prompt, append the row."""
         assert self.engine is not None and self.rewards is not None
@@ -293,8 +295,7 @@ class EvaluatorRole(Service):
                **{k: round(v, 6) for k, v in metrics.items()}, "episodes": len(results), "k": self.cfg.k,
                "samples": self.cfg.samples, "skipped": self.skipped, "eval_s": round(time.monotonic() - t0, 4),
                "time": now, "reward_failures": failures}
-        with open(self.path, "ab") as fh:  # one write per row
-            fh.write(orjson.dumps(row) + b"\n")
+        self._append(row)
         for key, value in metrics.items():
             record_metric(key, value)
         record_metric("eval/skipped", self.skipped, "max")

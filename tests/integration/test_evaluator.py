@@ -3,6 +3,7 @@ reports versions it did not see start, on the held-out split, without ever being
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -101,7 +102,7 @@ def test_a_late_evaluator_reports_versions_it_did_not_see_start(tmp_path: Path) 
     versions = [r["policy_version"] for r in rows]
     assert versions == sorted(set(versions)), versions  # each version once, in order
     assert sum(v > start_version for v in versions) >= 2, (start_version, versions)
-    assert all(b - a >= 2 for a, b in zip(versions, versions[1:-1])), versions  # every_versions (the last: drain)
+    assert all(b - a >= 2 for a, b in itertools.pairwise(versions[:-1])), versions  # every_versions (the last: drain)
     # never a weight-sync member: the trainer's rounds target and wait for the generator only
     rounds = [orjson.loads(line) for line in (run_dir / "weightsync" / "versions.jsonl").read_bytes().splitlines()]
     assert rounds and all(set(r["targets"]) <= {"generator-0"} for r in rounds), rounds[-1]

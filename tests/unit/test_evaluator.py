@@ -9,13 +9,21 @@ import orjson
 import pytest
 
 from models.tasks import TASKS, is_eval_item
-from producers.evaluation import (EvalConfig, Export, PromptResult, available_exports, checkpoint_exports,
-                                  due_export, pass_at_k, resolve_source, summarise)
+from producers.evaluation import (
+    EvalConfig,
+    Export,
+    PromptResult,
+    available_exports,
+    checkpoint_exports,
+    due_export,
+    pass_at_k,
+    resolve_source,
+    summarise,
+)
 from producers.sources import eval_prompts, toy_prompts
 from streamforge.config import load_config
 from topics.errors import ConfigError
 from topics.schemas import PolicyVersion
-
 
 # -- pass@k ---------------------------------------------------------------------------------------------------
 
