@@ -26,6 +26,12 @@ policy that acts validly but no better than chance:
   ``<result>V</result>`` -> ``V`` (reading the tool's answer back).
 
 The ``answer_format`` and ``answer`` rewards (``producers.rewards``) score the format and the answer separately.
+
+Held-out items: every task splits its items into ``train`` and ``eval`` by a hash of the prompt text
+(``is_eval_item``: one item in ``EVAL_SHARE``, e.g. 13 of addmod10's 100 sums, 12 of add1's 81), and
+``ToyTask.prompt(rng, split)`` draws from one side only. Training (the feeder's ``toy:`` source, the warm start)
+draws ``train`` items, the evaluator (``producers/evaluator.py``) ``eval`` items: the two never share a prompt,
+whatever the seeds. ``make_prompt`` draws from both (the tasks' own tests and benches).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from __future__ import annotations
 import random
 import re
 import string
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +68,24 @@ class ToyTask:
     make_prompt: Callable[[random.Random], tuple[str, str]]
     score: Callable[[str, str], float]
     max_answer_tokens: int  # enough response tokens to answer
+
+    def prompt(self, rng: random.Random, split: str = "train") -> tuple[str, str]:
+        """A prompt of the ``train`` or ``eval`` items only (rejection sampling on ``is_eval_item``)."""
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, not {split!r}")
+        while True:
+            text, answer = self.make_prompt(rng)
+            if is_eval_item(text) == (split == "eval"):
+                return text, answer
+
+
+SPLITS = ("train", "eval")
+EVAL_SHARE = 8  # one item in EVAL_SHARE is held out for evaluation
+
+
+def is_eval_item(text: str) -> bool:
+    """Whether a prompt text is one of the held-out items (deterministic: a CRC-32 of the text)."""
+    return zlib.crc32(text.encode()) % EVAL_SHARE == 0
 
 
 def _addmod10_prompt(rng: random.Random) -> tuple[str, str]:

@@ -3,7 +3,7 @@
 RL post-training starts from a model that already attends to its prompt. A freshly initialised tiny model does
 not: GRPO on it collapses to one answer for every prompt (measured: addmod10 stalls at mean reward 0.1, "4" for all
 100 prompts, at lr 3e-4 to 3e-3 over 800 steps). ``warm_start(model_dir, task, ...)`` runs plain cross-entropy
-steps on ``(prompt, answer + <eos>)`` pairs of a ``models.tasks`` task, with transformers and AdamW, until the
+steps on ``(prompt, answer + <eos>)`` pairs of a ``models.tasks`` task's training items, with transformers and AdamW, until the
 greedy accuracy on the training batches reaches ``target_accuracy`` (or ``max_steps``), then saves the weights
 back into ``model_dir`` (safetensors). Deterministic for a seed. The demo uses it and says so.
 """
@@ -38,7 +38,7 @@ def warm_start(model_dir: str | Path, task: str, *, target_accuracy: float = 0.3
     for step in range(1, max_steps + 1):
         rows = []
         for _ in range(batch_size):
-            text, answer = t.make_prompt(rng)
+            text, answer = t.prompt(rng, "train")  # never a held-out item (models/tasks.py)
             p = list(tok(text)["input_ids"])
             a = list(tok(answer, add_special_tokens=False)["input_ids"]) + [eos]
             rows.append((p, a))

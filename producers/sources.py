@@ -2,7 +2,8 @@
 
 ``open_source(spec, seed=, num_prompts=)`` yields ``Prompt`` messages for a ``feeder.source`` spec:
 
-* ``toy:<task>``: endless prompts of a toy task (``models.tasks``), ``prompt_id = "<task>-<seed>-<i>"``.
+* ``toy:<task>``: endless prompts of a toy task's training items (``models.tasks``), ``prompt_id =
+  "<task>-<seed>-<i>"``; its held-out items are the evaluator's (``eval_prompts``).
 * ``jsonl:<path>``: one JSON object per line with ``prompt`` (or ``text``/``question``), optional ``answer``,
   ``id``, ``task`` and ``metadata``; ``prompt_id`` = the ``id`` or ``"<file stem>-<line index>"``. Any other
   column joins ``metadata`` (a batch reward receives each as a keyword column, as TRL's reward functions do).
@@ -15,6 +16,11 @@
 Finite sources cycle when ``num_prompts`` asks for more (0 = endless); epoch ``e > 0`` suffixes ids with
 ``@e<e>`` so that a prompt seen again is a new group (the buffer deduplicates by episode id). Every source is
 deterministic for its seed, so a restarted feeder can skip what it already produced.
+
+``eval_prompts(spec, size=, seed=)`` is the evaluator's held-out set: for ``toy:<task>`` the first ``size``
+distinct items of the task's ``eval`` split (fewer when the split holds fewer: addmod10 has 13), never a training
+item; for ``jsonl:`` the file's first ``size`` rows (a file kept apart from training); for ``reasoning_gym:``
+``size`` items generated with ``seed`` (choose a seed the feeder does not use).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ def toy_prompts(task: str, *, seed: int = 0) -> Iterator[Prompt]:
     t = get_task(task)
     rng = random.Random(seed)
     for i in itertools.count():
-        text, answer = t.make_prompt(rng)
+        text, answer = t.prompt(rng, "train")
         yield Prompt(prompt_id=f"{task}-{seed}-{i}", task=task, text=text, answer=answer)
 
 
@@ -44,6 +50,23 @@ def env_prompts(name: str, *, seed: int = 0) -> Iterator[Prompt]:
     for i in itertools.count():
         yield Prompt(prompt_id=f"{name}-{seed}-{i}", task=f"env:{name}", text=name,
                      metadata={"seed": seed * 1_000_003 + i})
+
+
+def toy_eval_prompts(task: str, *, size: int, seed: int = 0, patience: int = 5000) -> list[Prompt]:
+    """The first ``size`` distinct held-out items of a toy task, drawn with ``seed`` (fewer if ``patience``
+    draws in a row find no new one: the split is exhausted). ``prompt_id = "<task>-eval-<i>"``."""
+    t = get_task(task)
+    rng = random.Random(seed)
+    seen: dict[str, str] = {}
+    misses = 0
+    while len(seen) < size and misses < patience:
+        text, answer = t.prompt(rng, "eval")
+        if text in seen:
+            misses += 1
+            continue
+        seen[text], misses = answer, 0
+    return [Prompt(prompt_id=f"{task}-eval-{i}", task=task, text=text, answer=answer)
+            for i, (text, answer) in enumerate(seen.items())]
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -131,6 +154,21 @@ def open_source(spec: str, *, seed: int = 0, num_prompts: int = 0) -> Iterator[P
     else:
         raise ConfigError("feeder.source", f"{spec!r} is not a prompt source (toy:, jsonl:, reasoning_gym:, env:)")
     return itertools.islice(it, num_prompts) if num_prompts else iter(it)
+
+
+def eval_prompts(spec: str, *, size: int, seed: int = 0) -> list[Prompt]:
+    """The evaluator's held-out prompts for an ``eval.source`` spec (module docstring)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "toy":
+        try:
+            return toy_eval_prompts(arg, size=size, seed=seed)
+        except KeyError as exc:
+            raise ConfigError("eval.source", str(exc)) from None
+    if kind == "jsonl":
+        return jsonl_prompts(arg)[:size]
+    if kind == "reasoning_gym":
+        return reasoning_gym_prompts(arg, seed=seed, size=size)
+    raise ConfigError("eval.source", f"{spec!r} is not a prompt source (toy:, jsonl:, reasoning_gym:)")
 
 
 def sft_examples(path: str | Path, *, num_examples: int = 0) -> Iterator[SFTExample]:

@@ -106,8 +106,8 @@ def metrics_name(role: str, config: Any) -> str:
 @click.option("--config", "config_path", type=click.Path(), default=None, help="Run config YAML.")
 @click.pass_context
 def run(ctx: click.Context, role: str, config_path: str | None) -> None:
-    """Run one role process: feeder, generator, buffer, trainer, env (an environment replica) or reward (a reward
-    service replica).
+    """Run one role process: feeder, generator, buffer, trainer, env (an environment replica), reward (a reward
+    service replica) or evaluator (scores the trainer's exported versions on held-out prompts: eval.jsonl).
 
     Configure it with --section.key=value overrides after the role; `streamforge config --explain` lists every
     key with its type, default and meaning."""

@@ -24,6 +24,7 @@ from buffer.config import BufferConfig
 from consumers.config import TrainerConfig
 from envs.config import EnvConfig
 from producers.config import FeederConfig, GeneratorConfig
+from producers.evaluation import EvalConfig
 from runtime.context import ModelConfig, RoleContext, RunSection, TelemetryConfig
 from services.config import RewardServiceConfig
 from streamforge.staleness import DERIVED_KEYS, StalenessConfig, check_staleness, derived_overrides
@@ -70,6 +71,7 @@ class UpConfig:
     envs: int = 1  # replicas of `env.name` (from `env.impl`) started before the generators; none without env.name
     rewards: int = 1  # replicas of `reward.name` (`reward.impl`) started before the generators; none without impl
     service_wait_s: float = 120.0  # how long up waits for the replicas it started to register
+    evaluators: int = 0  # 1: start the evaluator (`streamforge run evaluator`, the `eval` section) with the run
 
     def __post_init__(self) -> None:
         check_choices(self, "up")
@@ -82,6 +84,8 @@ class UpConfig:
         for key in ("envs", "rewards"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"up.{key}", "must be >= 0 (0: the replicas run elsewhere)")
+        if self.evaluators not in (0, 1):
+            raise ConfigError("up.evaluators", "must be 0 or 1 (one evaluator writes <run_dir>/eval.jsonl)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,6 +108,7 @@ class RunConfig:
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     reward: RewardServiceConfig = field(default_factory=RewardServiceConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> None:
         """The rules that span sections, checked when a config is loaded; each error names the keys involved.
@@ -115,6 +120,7 @@ class RunConfig:
                 raise ConfigError("model.source", f"{self.model.source!r} is not one of {list(SOURCES)}")
         check_staleness(self)
         check_service_replicas(self)
+        check_eval(self)
 
     def context(self) -> RoleContext:
         """What every role shares (``runtime.context``): never the whole run config."""
@@ -147,6 +153,18 @@ def check_service_replicas(config: RunConfig) -> None:
     if kind == "env" and source_env != env.name:
         raise ConfigError("feeder.source", f"{config.feeder.source!r} feeds episodes of {source_env!r}, but env.name "
                                            f"is {env.name!r}: the generator plays env.name")
+
+
+def check_eval(config: RunConfig) -> None:
+    """What the evaluator needs from the other sections: a held-out split (``up`` starts it), a known reward."""
+    from producers.evaluation import resolve_source
+
+    if config.up.evaluators:
+        resolve_source(config.eval, config.feeder.source)
+    reward = config.eval.correct_reward
+    names = [s.rpartition(":")[2] for s in config.generator.rewards]
+    if reward and reward not in config.generator.rewards and reward not in names:
+        raise ConfigError("eval.correct_reward", f"{reward!r} is not one of generator.rewards {names}")
 
 
 def _section_fields(cls: type) -> dict[str, dataclasses.Field]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from topics.names import Names
 
-ROLES = ("trainer", "generator", "buffer", "status", "env", "reward")
+ROLES = ("trainer", "generator", "buffer", "status", "env", "reward", "evaluator")
 REMOTE_PREFIX = "remote:"  # a generator's reward served by a reward service (runtime/remote_reward.py)
 
 
@@ -96,6 +96,7 @@ def permissions(names: Names, scope: ServiceScope | None = None) -> dict[str, di
                                   f"$JS.API.STREAM.CREATE.{services}", *reward_subjects],
                       "subscribe": inbox},
         "buffer": {"publish": read, "subscribe": inbox},
+        "evaluator": {"publish": read, "subscribe": inbox},  # the policy bucket (no remote: rewards)
         "status": {"publish": [*read, *_services_watch(services)],
                    "subscribe": [names.membership_subject, names.ack_subject, *inbox]},
         "env": {"publish": [*_services_open(services), *beats["env"]], "subscribe": inbox},

@@ -1,4 +1,8 @@
-"""``<run_dir>/reward.png``: reward, staleness and loss over time from ``<run_dir>/metrics.jsonl``."""
+"""``<run_dir>/reward.png``: reward, staleness and loss over time from ``<run_dir>/metrics.jsonl``.
+
+With an evaluator (``<run_dir>/eval.jsonl``) the reward panel also shows the held-out greedy accuracy and pass@k
+of each evaluated version, placed at the time the trainer reached that version's step.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ def plot_run(run_dir: str | os.PathLike) -> Path | None:
         ax.plot(t, [r.get(key, float("nan")) for r in rows], lw=1.2)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    _plot_eval(axes[0], run_dir / "eval.jsonl", {r.get("step"): r.get("time_s") for r in rows})
     axes[-1].set_xlabel("time since start (s)")
     axes[0].set_title(f"{run_dir.name}: {len(rows)} steps")
     fig.tight_layout()
@@ -39,3 +44,17 @@ def plot_run(run_dir: str | os.PathLike) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _plot_eval(ax: Any, path: Path, time_of_step: dict[Any, Any]) -> None:
+    """The eval curve on the reward axis: each evaluated version at the trainer's time of its step."""
+    points = [(time_of_step.get(r.get("step"), 0.0 if r.get("step") == 0 else None), r) for r in read_metrics(path)]
+    points = [(t, r) for t, r in points if t is not None]
+    if not points:
+        return
+    t = [p[0] for p in points]
+    k = points[-1][1].get("k", "k")
+    ax.plot(t, [r.get("eval/accuracy", float("nan")) for _, r in points], "o-", ms=3, lw=1, label="held-out accuracy")
+    ax.plot(t, [r.get("eval/pass_at_k", float("nan")) for _, r in points], "s--", ms=3, lw=1,
+            label=f"held-out pass@{k}")
+    ax.legend(loc="lower right", fontsize=8)

@@ -18,6 +18,7 @@ ROLES: dict[str, str] = {
     "trainer": "consumers.trainer:TrainerRole",
     "env": "services.env_replica:EnvRole",
     "reward": "services.reward_replica:RewardRole",
+    "evaluator": "producers.evaluator:EvaluatorRole",
 }
 
 
@@ -57,6 +58,8 @@ def build_role(role: str, config: Any, **kwargs: Any) -> Any:
         return cls(config.env, ctx, **kwargs)
     if role == "reward":
         return cls(config.reward, ctx, **kwargs)
+    if role == "evaluator":
+        return cls(config.eval, ctx, generator=config.generator, feeder_source=config.feeder.source, **kwargs)
     return cls(config.trainer, ctx, weightsync=config.weightsync,
                temperature=config.generator.temperature, max_completion_length=config.generator.max_tokens,
                max_staleness=config.staleness.max_versions if config.staleness.bounded else None, **kwargs)

@@ -2,6 +2,7 @@
 
 ``services`` lists every service's replicas from the services bucket (``runtime/services.py``): kind, address,
 load against capacity, state (serving or draining), the age of its last beat and whether that makes it healthy.
+``evaluator``: the last row of ``<run_dir>/eval.jsonl`` and how many versions were evaluated (absent without one).
 """
 
 from __future__ import annotations
@@ -89,7 +90,19 @@ async def nats_status(config: Any, *, listen_s: float = 2.5) -> dict[str, Any]:
         await nc.close()
 
 
+def eval_status(run_dir: Any) -> dict[str, Any] | None:
+    """The evaluator's last row (``producers/evaluator.py``) and its count of evaluations; None without any."""
+    from runtime.telemetry import read_jsonl
+
+    path = run_dir / "eval.jsonl"
+    rows = read_jsonl(path) if path.exists() else []
+    return {"evaluations": len(rows), "last": rows[-1]} if rows else None
+
+
 async def status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any]:
     policy, topics = await asyncio.gather(nats_status(config, listen_s=max(interval_s, 2.5)),
                                           kafka_status(config, interval_s=interval_s))
-    return {"policy": policy, "services": policy.pop("services"), "topics": topics}
+    out = {"policy": policy, "services": policy.pop("services"), "topics": topics}
+    if (evaluator := eval_status(config.run_dir)) is not None:
+        out["evaluator"] = evaluator
+    return out

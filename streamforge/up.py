@@ -7,7 +7,8 @@ run's log outlives ``up``; it creates the run's topics, prepares the model when 
 cache dir, or builds the tiny model into ``<run_dir>/model``), then starts every role with
 ``streamforge run <role>`` (each logs to ``<run_dir>/logs/<name>.log``): the service replicas of the configured
 environment and reward service (``up.envs``, ``up.rewards``; ``streamforge/replicas.py``) first, the generators
-once those have registered. It waits for the trainer to finish
+once those have registered, and the evaluator with ``up.evaluators: 1`` (``producers/evaluator.py``: it reads
+the trainer's exports, so the trainer never waits on it). It waits for the trainer to finish
 (``trainer.max_steps`` or ``trainer.reward_target``: it exits 0 and writes ``trainer/done.json``; a trainer that
 exits without it did not finish, a failure), then drains the other roles (SIGTERM, SIGKILL after
 ``up.drain_timeout_s``), runs the audit, plots ``reward.png`` and exits 0. If a child dies it reports which and
@@ -308,11 +309,17 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                      for i in range(config.up.buffers)]
         replicas = replica_children(config, child)  # environment and reward replicas (streamforge/replicas.py)
         children += replicas
-        for i, bind in enumerate(cpu_binds(config.up.generators)):
+        binds = cpu_binds(config.up.generators + config.up.evaluators)  # an evaluator's engine gets cores too
+        for i, bind in enumerate(binds[:config.up.generators]):
             gen = child(f"generator-{i}", "generator", [f"--generator.generator_id=generator-{i}"])
             if bind is not None:
                 gen.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
             children.append(gen)
+        for bind in binds[config.up.generators:]:  # up.evaluators: producers/evaluator.py, never waited on
+            evaluator = child("evaluator", "evaluator")
+            if bind is not None:
+                evaluator.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            children.append(evaluator)
         for c in children:
             if c.role != "generator":  # generators start once the service replicas are registered
                 c.start()

@@ -22,7 +22,7 @@ ROLE_OF = {
     "weightsync/policy_kv.py": "trainer",
     "streamforge/audit.py": "audit", "streamforge/status.py": "status", "streamforge/tail.py": "tail",
     "services/env_replica.py": "env", "services/reward_replica.py": "reward", "runtime/remote_reward.py": "generator",
-    "streamforge/replicas.py": "up",
+    "streamforge/replicas.py": "up", "producers/evaluator.py": "evaluator",
 }
 SERVICE_KEY, SERVICE_SUBJECT = "kv:<service>.<replica_id>", "svc.<service>.<replica_id>"
 KAFKA_READERS = {"Consumer", "RecordSource", "read_topic", "DropRefunds"}  # GroupOffsets reads offsets only
