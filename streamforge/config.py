@@ -115,6 +115,10 @@ class RunConfig:
                 raise ConfigError("model.source", f"{self.model.source!r} is not one of {list(SOURCES)}")
         check_staleness(self)
         check_service_replicas(self)
+        episodes = self.buffer.groups_per_batch * self.generator.group_size
+        if not self.buffer.token_budget and self.trainer.minibatches > episodes:
+            raise ConfigError("trainer.minibatches", f"{self.trainer.minibatches} minibatches of a batch of "
+                              f"{episodes} episodes (buffer.groups_per_batch x generator.group_size)")
 
     def context(self) -> RoleContext:
         """What every role shares (``runtime.context``): never the whole run config."""
