@@ -121,6 +121,10 @@ class RunConfig:
         check_staleness(self)
         check_service_replicas(self)
         check_eval(self)
+        episodes = self.buffer.groups_per_batch * self.generator.group_size
+        if not self.buffer.token_budget and self.trainer.minibatches > episodes:
+            raise ConfigError("trainer.minibatches", f"{self.trainer.minibatches} minibatches of a batch of "
+                              f"{episodes} episodes (buffer.groups_per_batch x generator.group_size)")
 
     def context(self) -> RoleContext:
         """What every role shares (``runtime.context``): never the whole run config."""
