@@ -22,6 +22,7 @@ Every other key derives from those as in a real run (``streamforge/staleness.py`
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import re
 import signal
@@ -182,7 +183,12 @@ async def run_fleet(run: FleetRun, workdir: Path) -> dict[str, Any]:
         roles = {"broker": brokers._procs["tansu"].pid, "nats": brokers._procs["nats"].pid,
                  "trainer": trainer.pid, **{f"buffer{i}": b.pid for i, b in enumerate(buffers)},
                  **{f"gen{i}": g.pid for i, g in enumerate(gens)}}
-        await asyncio.sleep(run.warmup_s)
+        # a generator whose share of a step floors to no group at all (groups_per_batch < generators, a small
+        # window) takes nothing until the quota's liveness guard grants it one (30 s before two versions were seen,
+        # producers/flow.py): the window starts after that
+        g = cfg.generator
+        stalls = g.groups_per_step > 0 and math.floor(g.quota_window_steps * g.groups_per_step + 1e-9) == 0
+        await asyncio.sleep(run.warmup_s + (32.0 if stalls else 0.0))
 
         async def snapshot() -> tuple[float, dict[str, float], int, int]:
             t = time.time()
@@ -206,7 +212,9 @@ async def run_fleet(run: FleetRun, workdir: Path) -> dict[str, Any]:
         gen_stats = [orjson.loads((workdir / f"gen{p}.stats").read_bytes()) for p in range(nproc)]
         trainer_stats = orjson.loads((workdir / "trainer.stats").read_bytes())
         audit = await run_audit(cfg) if run.audit else None
-        return summarize(run, start, end, gen_stats, trainer_stats, audit)
+        result = summarize(run, start, end, gen_stats, trainer_stats, audit)
+        result["quota_floor_stall"] = stalls
+        return result
     finally:
         _stop(procs, 10)
         brokers.stop()
