@@ -146,6 +146,14 @@ class HostRun:
             return []
         return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
 
+    def versions(self) -> list[dict[str, Any]]:
+        """The trainer's weight-sync rounds (``<run_dir>/weightsync/versions.jsonl``: one line per published
+        version, with ``round_s``, ``published_at`` and each generator's ack: ``transfer_ms``, ``pause_ms``)."""
+        path = self.run_dir / "weightsync" / "versions.jsonl"
+        if not path.exists():
+            return []
+        return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
     def audit(self) -> dict[str, Any]:
         out = self.cli("brokers", "audit")
         assert out.stdout.strip().startswith("{"), out.stderr[-3000:]
