@@ -11,8 +11,10 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
   the buffer's and generators' bounds derive from it: one batch ahead, no lag) and ``trainer.publish_busy: wait``
   (the trainer waits for each swap).
 * streamforge async: the demo's settings (``configs/demo.yaml``): ``staleness.max_versions: 4``
-  (``--async-staleness``) and ``publish_busy: skip`` (generation and swaps overlap training). ``--sf KEY=VALUE``
-  sets more streamforge keys for both modes (``--sf trainer.publish_every=2``).
+  (``--async-staleness``) and ``publish_busy: skip`` (generation and swaps overlap training), with
+  ``trainer.publish_every: 2`` (``--async-publish-every``): a swap stops the generator longer than a 2-token
+  generation takes, and swapping every other step reached the target in 35 s against 64 s (bench/RESULTS.md).
+  ``--sf KEY=VALUE`` sets more streamforge keys for both modes.
 
 Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
 the comparison with TRL is of the two systems as configured, the one with sync of asynchrony alone. Its
@@ -105,6 +107,8 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     # sync (lag 0): every batch from the latest weights, the trainer waiting for each swap; async: the demo's
     # bound (staleness.max_versions 2, the buffer's and generators' bounds derived) and a trainer that never waits
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
+    if lag:  # a swap stops the generator ~100-200 ms for a 2-token generation of ~30-60 ms: swap every other step
+        extra["trainer.publish_every"] = args.async_publish_every
     extra.update(kv.split("=", 1) for kv in args.sf)
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
                    num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
@@ -192,6 +196,7 @@ def main() -> None:
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
     p.add_argument("--async-staleness", type=int, default=4, help="staleness.max_versions of the async mode")
+    p.add_argument("--async-publish-every", type=int, default=2, help="trainer.publish_every of the async mode")
     p.add_argument("--sf", action="append", default=[], metavar="KEY=VALUE", help="a streamforge config key")
     p.add_argument("--breakdown", action="store_true",
                    help="print where a streamforge step's time goes (medians from each run's traces, in ms)")
