@@ -156,3 +156,63 @@ def test_due_export_follows_the_cadence_and_counts_skipped_versions():
     assert due_export(exports, 5, 2) == (exports[-1], 2)  # due at 7 and 9 passed over, 11 reached by 12
     assert due_export(exports, 5, 1) == (exports[-1], 6)
     assert math.isclose(due_export(exports, 0, 4)[1], 2)
+
+
+# -- one evaluation, on a fake engine (the real one: tests/integration/test_evaluator.py) --------------------------
+
+class FakeEngine:
+    """Answers each addmod10 prompt: greedy right, samples right for the first ``right`` of them."""
+
+    def __init__(self, right: int) -> None:
+        self.right = right
+        self.version = 0
+        self.loaded: list[tuple[int, str]] = []
+
+    async def generate(self, tokens, n, sampling, *, request_id=""):  # type: ignore[no-untyped-def]
+        from producers.engine import Completion
+
+        a, b = int(chr(tokens[0])), int(chr(tokens[2]))
+        answer = str((a + b) % 10)
+        if sampling.temperature == 0:
+            return [Completion(index=0, text=answer)]
+        return [Completion(index=i, text=answer if i < self.right else "x") for i in range(n)]
+
+    async def swap(self, version, load, *, mode="keep"):  # type: ignore[no-untyped-def]
+        class LLM:
+            async def collective_rpc(_self, method, kwargs):  # type: ignore[no-untyped-def]
+                self.loaded.append((version, kwargs["weights_path"]))
+
+        await load(LLM())
+        self.version = version
+        return 1.0
+
+
+async def test_an_evaluation_scores_every_held_out_prompt_and_appends_its_row(tmp_path):
+    from producers.evaluator import EvaluatorRole, read_eval_rows
+    from producers.rewards import RewardSet
+    from streamforge.roles import build_role
+
+    cfg = load_config(None, [f"--run.run_dir={tmp_path}", "--eval.samples=4", "--eval.pass_k=2",
+                             "--eval.every_versions=2"], environ={})
+    engine = FakeEngine(right=1)
+    role: EvaluatorRole = build_role("evaluator", cfg, engine=engine)
+    role.rewards = RewardSet(["toy"])
+    role.correct = "toy"
+    role.prompts = [(p, [ord(c) for c in p.text]) for p in eval_prompts(role.source, size=64, seed=1)]
+    checkpoint(tmp_path, 6, 5)
+    checkpoint(tmp_path, 9, 8)
+    role.latest = PolicyVersion(version=8, step=9, transport="gloo")
+    role.last_version = 3
+    await role._evaluate_due()
+    checkpoint(tmp_path, 12, 9)
+    await role._evaluate_due()  # 9 < 8 + 2: not due
+    await role._evaluate_due(final=True)  # the drain's: the newest, whatever the cadence
+    rows = read_eval_rows(tmp_path / "eval.jsonl")
+    assert [(r["policy_version"], r["step"]) for r in rows] == [(8, 9), (9, 12)]
+    assert [v for v, _ in engine.loaded] == [8, 9] and engine.version == 9
+    assert (tmp_path / "evaluator" / "weights" / "model.safetensors").exists()
+    r = rows[0]
+    assert r["episodes"] == 13 and r["eval/accuracy"] == 1.0 and r["eval/reward_mean"] == 1.0
+    assert r["eval/pass_at_1"] == 0.25 and r["eval/pass_at_k"] == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    assert r["skipped"] == 1 and rows[1]["skipped"] == 1  # 5 was due after 3 and passed over for 8
+    role.rewards.close()
