@@ -274,7 +274,8 @@ def build_batch(
     """Lay out groups as a ``Batch`` (conventions in ``topics/schemas.py``).
 
     Row ``b`` is ``prompt + response`` right-padded with ``pad_token_id`` to ``T`` (the longest row rounded up to
-    ``pad_to_multiple``). ``loss_mask`` is 1 exactly at response positions, ``old_logprobs`` holds the behaviour
+    ``pad_to_multiple``). ``loss_mask`` is 1 exactly at the model's response tokens (``Episode.model_mask``: a
+multi-turn episode's environment tokens are 0), ``old_logprobs`` holds the behaviour
     logprob of the token at that position (0 elsewhere), ``token_versions`` the version that sampled it (-1
     elsewhere). ``group_ids`` has one entry per episode. ``rewards`` are the raw episode rewards.
 
@@ -301,7 +302,7 @@ def build_batch(
         p, r = len(ep.prompt_tokens), len(ep.response_tokens)
         input_ids[i, :p] = ep.prompt_tokens
         input_ids[i, p:p + r] = ep.response_tokens
-        loss_mask[i, p:p + r] = 1
+        loss_mask[i, p:p + r] = ep.model_mask
         old_logprobs[i, p:p + r] = ep.logprobs
         token_versions[i, p:p + r] = ep.token_versions
         prompt_lens[i] = p
@@ -345,6 +346,7 @@ def _stats(groups: Sequence[ScoredGroup], episodes: list[Episode], rewards: np.n
     mean = math.fsum(r) / b
     resp = [len(e.response_tokens) for e in episodes]
     versions = np.concatenate([e.token_versions for e in episodes])
+    versions = versions[versions >= 0]  # environment tokens of multi-turn episodes carry -1
     tokens = sum(len(e.prompt_tokens) for e in episodes) + sum(resp)
     return {
         "groups": float(len(groups)),
@@ -355,6 +357,8 @@ def _stats(groups: Sequence[ScoredGroup], episodes: list[Episode], rewards: np.n
         "padding_fraction": 1.0 - tokens / (rows * width),
         "min_version": float(versions.min()) if versions.size else -1.0,
         "max_version": float(versions.max()) if versions.size else -1.0,
+        "env/turns_mean": sum(e.turns for e in episodes) / b,
+        "env/tool_calls_mean": sum(e.tool_calls for e in episodes) / b,
     }
 
 
@@ -388,7 +392,7 @@ def _packed(groups: Sequence[ScoredGroup], episodes: list[Episode], row_tokens: 
             ids_parts += (e.prompt_tokens, e.response_tokens)
             lp_parts += (zeros[:p], e.logprobs)
             ver_parts += (minus[:p], e.token_versions)
-            mask_parts += (zeros8[:p], ones[:r])
+            mask_parts += (zeros8[:p], e.token_mask if len(e.token_mask) else ones[:r])
             seg_parts.append(np.full(p + r, i, dtype=np.int32))
             pos_parts.append(arange[:p + r])
             used += p + r

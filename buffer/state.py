@@ -48,6 +48,9 @@ Rules:
     zero-variance, overlong; not stale or fenced, whose weights are old) are averaged into the next batch's
     ``stats["rollout/reward_mean"]`` and ``stats["rollout/episodes"]``. With zero-variance filtering the kept
     episodes' own mean is biased towards 0.5; the trainer reports this one as ``reward_mean``.
+12. Multi-turn episodes: every batch carries ``stats["env/restarts"]``, the environment restarts of every
+    episode this buffer took so far (``Episode.env_restarts``), beside its own ``env/turns_mean`` and
+    ``env/tool_calls_mean`` (``buffer/policies.py``); the trainer copies them into its metrics rows.
 
 ``state_dict()`` holds what Kafka cannot replay: the decided ids and groups, the positions and the counters.
 Held episodes are not in it: they are beyond the committed offset and come back by replay.
@@ -211,6 +214,8 @@ class BufferState:
         part.held.add(offset)
         self._held_ids.add(ep.episode_id)
         group.members[ep.episode_id] = held
+        if ep.env_restarts:  # env/restarts on every batch: the restarts of every episode taken so far
+            self.counters["env_restarts"] = self.counters.get("env_restarts", 0) + ep.env_restarts
         return "complete" if self._check_complete(group) else "pending"
 
     def _check_complete(self, group: Group) -> bool:
@@ -425,6 +430,7 @@ class BufferState:
             batch.stats["rollout/reward_mean"] = part.rollout_reward / part.rollouts
             batch.stats["rollout/episodes"] = float(part.rollouts)
             part.rollout_reward, part.rollouts = 0.0, 0
+        batch.stats["env/restarts"] = float(self.counters.get("env_restarts", 0))
         return Decision(
             kind="batch", partition=partition, episode_ids=batch.episode_ids, offsets=[h.offset for h in held],
             group_ids=[g.group_id for g in groups], batch=batch,

@@ -22,8 +22,13 @@ class TrainerConfig:
     warmup_steps: int = 0  # linear warm-up steps of the learning rate
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"  # after the warm-up
     grad_clip: float = 1.0  # max gradient norm (0 = no clipping)
+    # optimizer steps per batch: the batch's rows cut into `minibatches` contiguous minibatches, each trained once
+    # per epoch, `ppo_epochs` times (1 and 1 = one step on the whole batch). A loss that asks for the proximal
+    # policy (decoupled_ppo) gets the logprobs of the weights before the batch's first update (consumers/ppo.py)
+    ppo_epochs: int = 1
+    minibatches: int = 1
     max_steps: int = 0  # 0 = run as long as batches arrive
-    reward_target: float = 0.0  # >0: stop when the running mean reward reaches it
+    reward_target: float = 0.0  # non-zero: stop when the running mean reward reaches it (a negative target: blackjack)
     publish_every: int = 1  # publish a PolicyVersion every k steps
     # a publication falling due while the previous round still waits for generators' acks: "wait" for it (the
     # trainer stalls on the slowest swap) or "skip" (train on; those steps join the next version, published at
@@ -66,6 +71,13 @@ class TrainerConfig:
             raise ConfigError("trainer.dedup_window", "must be at least 1")
         if self.sft_batch_size < 1:
             raise ConfigError("trainer.sft_batch_size", "must be at least 1")
+        if self.ppo_epochs < 1:
+            raise ConfigError("trainer.ppo_epochs", "must be at least 1")
+        if self.minibatches < 1:
+            raise ConfigError("trainer.minibatches", "must be at least 1")
+        if self.mode == "sft" and self.ppo_epochs * self.minibatches > 1:
+            raise ConfigError("trainer.ppo_epochs", "several optimizer steps per batch are for mode rl; sft takes "
+                              "one step per trainer.sft_batch_size examples")
         if self.grad_clip < 0:
             raise ConfigError("trainer.grad_clip", "must be >= 0 (0 = no clipping)")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -1,8 +1,9 @@
 """The training state of one rank (policy, optimizer, schedule, loss, reference) and the rank-0 command stream.
 
 ``TrainEngine`` is synchronous torch code with no brokers: ``step(batch)``, ``save(meta)``, ``restore()``,
-``named_tensors()``, ``export()``. Every method that touches the model is *collective* when ``world_size > 1``:
-all ranks must call it in the same order. Rank 0 guarantees that by announcing each call first with
+``named_tensors()``, ``export()``; a step is several optimizer steps with ``trainer.ppo_epochs`` or
+``trainer.minibatches`` above 1 (``consumers/ppo.py``). Every method that touches the model is *collective* when
+``world_size > 1``: all ranks must call it in the same order. Rank 0 guarantees that by announcing each call first with
 ``Commander.send(op, payload)``; the other ranks run ``follow(engine)``, which replays rank 0's calls until
 ``QUIT``. Payloads are wire-codec bytes (``topics.codec``) or JSON, never pickle.
 
@@ -27,11 +28,12 @@ import torch
 
 from consumers.checkpoint import CheckpointMeta, export_final, latest_checkpoint, load_checkpoint, save_checkpoint
 from consumers.config import TrainerConfig
-from consumers.losses import BatchTotals, dp_share, make_loss, sft_loss, splits_rows
+from consumers.losses import BatchTotals, dp_share, make_loss, sft_loss, splits_rows, wants_proximal
 from consumers.model import Policy, hf_named_tensors, load_policy
 from consumers.optim import build_optimizer
 from consumers.parallel import Dist, all_reduce_sum, broadcast_bytes, use_tp
-from consumers.step import batch_inputs, rl_step, sft_step
+from consumers.ppo import ppo_update
+from consumers.step import StepInputs, batch_inputs, proximal_logprobs, rl_step, sft_step
 from topics import codec
 from topics.schemas import Batch
 
@@ -80,14 +82,36 @@ class TrainEngine:
 
     # -- collective operations --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[str, float]:
+        """The optimizer steps on ``batch``: one on the whole batch, or ``trainer.ppo_epochs x trainer.minibatches``
+        (``consumers/ppo.py``); under dp each step trains this rank's share of its rows. Returns global metrics."""
+        if self.cfg.mode == "sft" or self.cfg.ppo_epochs * self.cfg.minibatches == 1:
+            return self._update(batch)
+        return ppo_update(batch, epochs=self.cfg.ppo_epochs, n_minibatches=self.cfg.minibatches,
+                          split_rows=split_rows, update=self._update,
+                          proximal=self._proximal if wants_proximal(self.loss_fn) else None)
+
+    def _inputs(self, batch: Batch) -> StepInputs:
+        """This rank's share of ``batch`` as tensors (the whole batch when the rows are not split)."""
+        if not self.split:
+            return batch_inputs(batch, self.d.device)
+        return batch_inputs(split_rows(batch, self.d.dp_rank, self.d.dp)[0], self.d.device)
+
+    def _proximal(self, batch: Batch) -> torch.Tensor:
+        """The current weights' logprobs of this rank's share of ``batch``, without autograd (collective under FSDP)."""
+        return proximal_logprobs(self.policy.model, self._inputs(batch), temperature=self.temperature)
+
+    def _update(self, batch: Batch, prox: torch.Tensor | None = None, advance_schedule: bool = True
+                ) -> dict[str, float]:
         """One optimizer step on ``batch`` (this rank's share of its rows under dp); returns global metrics."""
+        rl = {"prox_logprobs": prox, "advance_schedule": advance_schedule}
         if not self.split:
             inputs = batch_inputs(batch, self.d.device)
             if self.cfg.mode == "sft":
                 return sft_step(self.policy.model, self.opt, self.sched, inputs.input_ids, inputs.mask,
                                 grad_clip=self.cfg.grad_clip)
             return rl_step(self.policy.model, self.opt, self.sched, self.loss_fn, inputs,
-                           grad_clip=self.cfg.grad_clip, ref_model=self.ref_model, temperature=self.temperature)
+                           grad_clip=self.cfg.grad_clip, ref_model=self.ref_model, temperature=self.temperature,
+                           **rl)
         totals = batch_totals(batch)
         share, real_rows = split_rows(batch, self.d.dp_rank, self.d.dp)
         inputs = batch_inputs(share, self.d.device)
@@ -101,7 +125,8 @@ class TrainEngine:
         else:
             loss_fn = dp_share(self.loss_fn, totals, real_rows=real_rows, scale=self.d.dp)
             metrics = rl_step(self.policy.model, self.opt, self.sched, loss_fn, inputs,
-                              grad_clip=self.cfg.grad_clip, ref_model=self.ref_model, temperature=self.temperature)
+                              grad_clip=self.cfg.grad_clip, ref_model=self.ref_model, temperature=self.temperature,
+                              **rl)
         if "logprob_drift" in metrics:  # rl_step's masked mean over the share -> the share of the batch's mean
             metrics["logprob_drift"] *= inputs.tokens / max(1.0, totals.tokens)
         return global_metrics(self.d, metrics)

@@ -11,6 +11,9 @@ Every loss is built by ``make_loss(name, **hyperparams)`` and called as::
 ``factory(**hyperparams)`` returns such a callable. ``entropy`` carries a gradient only for a loss that asks for
 it (``wants_entropy_grad``: a non-zero ``entropy_coef`` attribute, or ``entropy_grad = True``); otherwise the
 trainer computes it without autograd (a metric: no ``[tokens, vocab]`` tensor kept for the backward pass).
+``prox_logprobs`` (``[B, T]``, no grad) is passed only to a loss that asks for it (``wants_proximal``: an attribute
+``proximal = True``, as ``decoupled_ppo`` has): the logprobs of the weights before the batch's first optimizer step,
+when the trainer takes several (``trainer.ppo_epochs``, ``trainer.minibatches``; ``consumers/ppo.py``).
 
 Notation (TRL GRPOTrainer's, whose hyperparameter names and conventions we follow so results agree numerically):
 ``m`` the mask, ``A_i`` the advantage of row ``i``, ``r_{i,t} = exp(logprobs - old_logprobs)`` the token ratio,
@@ -145,6 +148,7 @@ def _accepting_extras(fn: Callable[..., Any]) -> LossFn:
     call.aggregation = getattr(fn, "aggregation", None)  # type: ignore[attr-defined]
     call.takes_totals = "totals" in accepted  # type: ignore[attr-defined]
     call.entropy_grad = wants_entropy_grad(fn)  # type: ignore[attr-defined]
+    call.proximal = wants_proximal(fn) and "prox_logprobs" in accepted  # type: ignore[attr-defined]
     return call  # type: ignore[return-value]
 
 
@@ -152,6 +156,11 @@ def wants_entropy_grad(fn: LossFn) -> bool:
     """Whether ``fn`` differentiates through ``entropy`` (module docstring); seen through ``dp_share`` and the
     extras wrapper, which copy the loss's attributes."""
     return bool(getattr(fn, "entropy_coef", 0.0)) or bool(getattr(fn, "entropy_grad", False))
+
+
+def wants_proximal(fn: LossFn) -> bool:
+    """Whether ``fn`` reads ``prox_logprobs`` (an attribute ``proximal = True``; copied by the wrappers)."""
+    return bool(getattr(fn, "proximal", False))
 
 
 def takes_totals(fn: LossFn) -> bool:
@@ -290,6 +299,7 @@ class PolicyLoss:
         self.is_cap = is_cap
         self.ratio_mask_threshold = ratio_mask_threshold
         self.use_bias_correction_kl = use_bias_correction_kl
+        self.proximal = objective == "decoupled"  # reads prox_logprobs (wants_proximal)
 
     def _log_weights(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
         if self.level == "token":
@@ -334,6 +344,7 @@ class PolicyLoss:
             clipped, region = self._clipped(q, adv)
             per_token = behav_w * clipped
             metrics["behav_weight_mean"] = _f(mean(behav_w.expand_as(mask), mask))
+            metrics["prox_drift"] = _f(mean((logprobs.detach() - prox).abs(), mask))  # |log pi - log pi_prox|
         else:
             raise ValueError(f"unknown objective {self.objective!r}")
         if self.off_policy_mask_threshold is not None:
@@ -435,7 +446,13 @@ def reinforce(*, is_cap: float = 2.0, **kw: Any) -> PolicyLoss:
 
 def decoupled_ppo(*, is_cap: float = 5.0, **kw: Any) -> PolicyLoss:
     """Decoupled PPO (AReaL): behaviour policy (importance weight, truncated at ``is_cap``) separated from the
-    proximal policy (the clip anchor), ``token`` aggregation; see ``PolicyLoss``. No TRL counterpart."""
+    proximal policy (the clip anchor), ``token`` aggregation; see ``PolicyLoss``. No TRL counterpart.
+
+    The proximal policy is the weights before the batch's first optimizer step: with one step per batch it is the
+    current policy (the clip never binds and the loss is truncated-IS policy gradient); with ``trainer.ppo_epochs``
+    or ``trainer.minibatches`` above 1 the trainer passes its logprobs (``prox_logprobs``) and the clip binds from
+    the second step on. Metrics: ``behav_weight_mean`` (mean ``sg(min(pi_prox/pi_behav, is_cap))``),
+    ``prox_drift`` (mean ``|log pi - log pi_prox|``)."""
     return PolicyLoss(objective="decoupled", aggregation="token", is_cap=is_cap, **kw)
 
 

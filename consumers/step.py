@@ -123,24 +123,43 @@ def clip_grads(model: nn.Module, max_norm: float) -> float:
     return float(norm.item())
 
 
-def _apply(model: nn.Module, opt: torch.optim.Optimizer, sched, loss: torch.Tensor, grad_clip: float) -> tuple[float, bool]:
+def _apply(model: nn.Module, opt: torch.optim.Optimizer, sched, loss: torch.Tensor, grad_clip: float,
+           advance_schedule: bool = True) -> tuple[float, bool]:
     opt.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = clip_grads(model, grad_clip)
     ok = math.isfinite(grad_norm)
     if ok:  # a non-finite gradient skips the update rather than poisoning the weights
         opt.step()
-    sched.step()
+    if advance_schedule:
+        sched.step()
     opt.zero_grad(set_to_none=True)
     return grad_norm, ok
 
 
+def _packing(inputs: StepInputs) -> dict[str, torch.Tensor | None]:
+    return {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids, "scored": inputs.scored}
+
+
+@torch.no_grad()
+def proximal_logprobs(model: nn.Module, inputs: StepInputs, *, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` logprobs of the batch's tokens under the model's current weights, without autograd: the proximal
+    policy of a decoupled loss, taken before the batch's first update. The model runs in training mode, as in
+    ``rl_step``, so that before any update they equal the step's own logprobs."""
+    model.train()
+    return inputs.per_episode(token_logprobs(model, inputs.input_ids, temperature=temperature,
+                                             **_packing(inputs))[0])
+
+
 def rl_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loss_fn: LossFn, inputs: StepInputs, *,
-            grad_clip: float = 1.0, ref_model: nn.Module | None = None, temperature: float = 1.0) -> dict[str, float]:
-    """One policy-gradient step on a whole batch; returns the loss metrics plus grad_norm, lr, tokens, time."""
+            grad_clip: float = 1.0, ref_model: nn.Module | None = None, temperature: float = 1.0,
+            prox_logprobs: torch.Tensor | None = None, advance_schedule: bool = True) -> dict[str, float]:
+    """One policy-gradient step on a whole batch (or a minibatch); returns the loss metrics plus grad_norm, lr,
+    tokens, time. ``prox_logprobs`` go to the loss (``proximal_logprobs``); ``advance_schedule`` False keeps the
+    learning rate for the batch's next optimizer step (the schedule counts batches)."""
     t0 = time.perf_counter()
     model.train()
-    packing = {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids, "scored": inputs.scored}
+    packing = _packing(inputs)
     grad_entropy = wants_entropy_grad(loss_fn)  # else a metric: computed without autograd
     logprobs, entropy = token_logprobs(model, inputs.input_ids, temperature=temperature, with_entropy=True,
                                        entropy_grad=grad_entropy, **packing)
@@ -149,10 +168,11 @@ def rl_step(model: nn.Module, opt: torch.optim.Optimizer, sched, loss_fn: LossFn
     if ref_model is not None:
         with torch.no_grad():
             ref = inputs.per_episode(token_logprobs(ref_model, inputs.input_ids, temperature=temperature, **packing)[0])
+    extra = {"prox_logprobs": prox_logprobs} if prox_logprobs is not None else {}
     loss, metrics = loss_fn(logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask, ref,
-                            entropy=entropy)
+                            entropy=entropy, **extra)
     lr = float(sched.get_last_lr()[0])
-    grad_norm, ok = _apply(model, opt, sched, loss, grad_clip)
+    grad_norm, ok = _apply(model, opt, sched, loss, grad_clip, advance_schedule)
     with torch.no_grad():
         drift = ((logprobs.detach() - inputs.old_logprobs).abs() * inputs.mask).sum() / inputs.mask.sum().clamp(min=1)
     metrics.update(grad_norm=grad_norm, lr=lr, tokens=float(inputs.tokens), skipped=float(not ok),

@@ -117,6 +117,7 @@ class TrainerRole(Service):
         self.ledger: Ledger | None = None
         self.metrics_out: JsonlAppender | None = None
         self._drops: dict[str, dict[str, float]] = {}  # buffer id -> its drop counters (from its latest batch)
+        self._env_restarts: dict[str, float] = {}  # buffer id -> env/restarts (from its latest batch)
         self.tokenizer = None
         self.finished_reason = ""
 
@@ -346,7 +347,7 @@ class TrainerRole(Service):
     def _done_reason(self) -> str:
         if self.cfg.max_steps and self.step >= self.cfg.max_steps:
             return f"max_steps {self.cfg.max_steps} reached"
-        if (self.cfg.reward_target > 0 and len(self._rewards) == self._rewards.maxlen
+        if (self.cfg.reward_target != 0 and len(self._rewards) == self._rewards.maxlen
                 and float(np.mean(self._rewards)) >= self.cfg.reward_target):
             return f"mean reward {np.mean(self._rewards):.3f} >= target {self.cfg.reward_target}"
         return ""
@@ -394,7 +395,7 @@ class TrainerRole(Service):
                "tokens_per_s": metrics.get("tokens", 0.0) / max(elapsed, 1e-9), "batch_id": batch.batch_id,
                "duplicates": self.duplicates, "refused_batches": self.refused, "stale_batches": self.stale_batches,
                **{k: v for k, v in metrics.items() if k not in ("loss",)},
-               **self._buffer_drops(batch)}
+               **self._buffer_drops(batch), **self._env_metrics(batch)}
         self.metrics_out.append(row)
         _record(row, self.step)
         if self._publish_due():
@@ -434,6 +435,13 @@ class TrainerRole(Service):
             for reason, n in per_buffer.items():
                 total[f"buffer/dropped/{reason}"] = total.get(f"buffer/dropped/{reason}", 0.0) + n
         return total
+
+    def _env_metrics(self, batch: Batch) -> dict[str, float]:
+        """``env/turns_mean``, ``env/tool_calls_mean`` of the batch; ``env/restarts`` summed over buffers."""
+        self._env_restarts[batch.buffer_id] = batch.stats.get("env/restarts", 0.0)
+        return {"env/turns_mean": batch.stats.get("env/turns_mean", 1.0),
+                "env/tool_calls_mean": batch.stats.get("env/tool_calls_mean", 0.0),
+                "env/restarts": sum(self._env_restarts.values())}
 
     def _owed(self) -> bool:
         """``publish_busy: skip`` and ``publish_every`` steps trained since the last publication."""

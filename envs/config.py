@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from topics.errors import ConfigError
 from topics.names import valid_replica_id, valid_service_name
 
 # environments that ship with streamforge, by short name (``env.impl``); anything else is "module:Class"
-BUILTIN_ENVS: dict[str, str] = {}
+BUILTIN_ENVS: dict[str, str] = {
+    "blackjack": "envs.builtin_blackjack:BlackjackEnv",
+    "calculator": "envs.builtin_calculator:CalculatorEnv",
+}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -24,8 +28,10 @@ class EnvConfig:
     heartbeat_s: float = 1.0  # how often a replica announces itself and its load
     health_timeout_s: float = 3.0  # a replica silent for longer is taken out of routing
     max_turns: int = 8  # model turns per episode at most (then the episode is truncated)
+    max_turn_tokens: int = 0  # most new tokens of one model turn (0 = what is left of generator.max_tokens)
     max_restarts: int = 2  # an episode whose replica is lost restarts from reset() on another at most this often
     step_timeout_s: float = 10.0  # a reset or step slower than this is an ``EnvTimeout``
+    penalty: float = -1.0  # added to the reward of an episode that ends on an action the environment rejected
     max_action_chars: int = 65536  # a longer model action is rejected before it is sent (``ActionRejected``)
     session_log: bool = False  # a replica logs every reset and step of every session (session, episode) at INFO
 
@@ -35,8 +41,12 @@ class EnvConfig:
         for key in ("capacity", "max_turns", "max_action_chars"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"env.{key}", "must be at least 1")
+        if self.max_turn_tokens < 0:
+            raise ConfigError("env.max_turn_tokens", "must be >= 0 (0 = no limit per turn)")
         if self.max_restarts < 0:
             raise ConfigError("env.max_restarts", "must be >= 0")
+        if not math.isfinite(self.penalty):
+            raise ConfigError("env.penalty", "must be a finite number")
         for key in ("heartbeat_s", "health_timeout_s", "step_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"env.{key}", "must be > 0")

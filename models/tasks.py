@@ -15,6 +15,16 @@ asks for the answer inside ``<answer>...</answer>`` tags, and ``score`` is 1.0 w
 * ``add1``: ``"What is 3 + 5? ..."`` (digits) -> ``"8"``;
 * ``add2``: ``"What is 47 + 38? ..."`` (two-digit numbers) -> ``"85"``.
 
+Two tasks only warm-start the tiny model for the built-in environments (``configs/blackjack.yaml``,
+``configs/calculator.yaml``): their prompts are contexts as the multi-turn loop builds them (observations in the
+environments' own words, earlier turns ending in ``<eos>``) and their answers valid moves, so RL starts from a
+policy that acts validly but no better than chance:
+
+* ``blackjack_moves``: ``"you 13, dealer 7: "`` (after 0-2 earlier hits) -> ``hit`` or ``stand`` at random (the
+  random policy);
+* ``calculator_moves``: a problem -> a tool call ``<calc>a*b</calc>`` or a guessed number, at random; after a
+  ``<result>V</result>`` -> ``V`` (reading the tool's answer back).
+
 The ``answer_format`` and ``answer`` rewards (``producers.rewards``) score the format and the answer separately.
 
 Held-out items: every task splits its items into ``train`` and ``eval`` by a hash of the prompt text
@@ -88,6 +98,34 @@ def _reverse_prompt(rng: random.Random) -> tuple[str, str]:
     return f"reverse {word}:", word[::-1]
 
 
+def _blackjack_hand(rng: random.Random) -> str:
+    soft = rng.random() < 0.2
+    total = rng.randint(13, 21) if soft else rng.randint(4, 21)
+    dealer = rng.choice(["a", *map(str, range(2, 11))])
+    return f"you {'s' if soft else ''}{total}, dealer {dealer}: "
+
+
+def _blackjack_moves_prompt(rng: random.Random) -> tuple[str, str]:
+    text = "".join(f"{_blackjack_hand(rng)}hit<eos>" for _ in range(rng.choice([0, 0, 1, 2])))
+    return text + _blackjack_hand(rng), rng.choice(["hit", "stand"])
+
+
+_CALC_TEMPLATES = (("{a} boxes of {b} pens. pens? ", "*"), ("{a} pens and {b} more. pens? ", "+"),
+                   ("{a} pens, {b} lost. pens left? ", "-"))
+
+
+def _calculator_moves_prompt(rng: random.Random) -> tuple[str, str]:
+    text, op = rng.choice(_CALC_TEMPLATES)
+    a, b = rng.randrange(100, 1000) if op == "-" else rng.randrange(12, 100), rng.randrange(12, 100)
+    problem = text.format(a=a, b=b)
+    value = a * b if op == "*" else a + b if op == "+" else a - b
+    if rng.random() < 1 / 3:  # the second turn: read the result back
+        return f"{problem}<calc>{a}{op}{b}</calc><eos><result>{value}</result>", str(value)
+    if rng.random() < 0.5:
+        return problem, f"<calc>{a}{op}{b}</calc>"
+    return problem, str(rng.randrange(min(10, value), 10 ** len(str(value))))  # a one-digit difference too
+
+
 ANSWER_INSTRUCTION = "Put only the final number inside <answer></answer> tags."
 _TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
@@ -109,6 +147,8 @@ def _sum_prompt(lo: int, hi: int) -> Callable[[random.Random], tuple[str, str]]:
 TASKS: dict[str, ToyTask] = {
     "add1": ToyTask("add1", _sum_prompt(1, 9), tagged_score, max_answer_tokens=12),
     "add2": ToyTask("add2", _sum_prompt(10, 99), tagged_score, max_answer_tokens=12),
+    "blackjack_moves": ToyTask("blackjack_moves", _blackjack_moves_prompt, exact_score, max_answer_tokens=6),
+    "calculator_moves": ToyTask("calculator_moves", _calculator_moves_prompt, exact_score, max_answer_tokens=20),
     "addmod10": ToyTask("addmod10", _addmod10_prompt, exact_score, max_answer_tokens=2),
     "reverse": ToyTask("reverse", _reverse_prompt, exact_score, max_answer_tokens=4),
 }

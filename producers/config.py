@@ -93,14 +93,16 @@ class GeneratorConfig:
 class FeederConfig:
     """The feeder streams a local prompt source into the prompts topic."""
 
-    source: str = "toy:addmod10"  # "toy:<task>" | "jsonl:<path>" | "reasoning_gym:<name>" | "sft_jsonl:<path>"
+    # "toy:<task>" | "jsonl:<path>" | "reasoning_gym:<name>" | "sft_jsonl:<path>" | "env:<env.name>"
+    source: str = "toy:addmod10"
     num_prompts: int = 0  # 0 = endless (cycles through epochs)
     seed: int = 0
     max_in_flight: int = 64  # prompts ahead of the generators' committed offsets
 
     def __post_init__(self) -> None:
         kind = self.source.split(":", 1)[0]
-        if kind not in ("toy", "jsonl", "reasoning_gym", "sft_jsonl") or ":" not in self.source:
-            raise ConfigError("feeder.source", f"{self.source!r} is not toy:, jsonl:, reasoning_gym: or sft_jsonl:")
+        if kind not in ("toy", "jsonl", "reasoning_gym", "sft_jsonl", "env") or ":" not in self.source:
+            raise ConfigError("feeder.source", f"{self.source!r} is not toy:, jsonl:, reasoning_gym:, sft_jsonl: or "
+                                               "env:")
         if self.num_prompts < 0:
             raise ConfigError("feeder.num_prompts", "must be >= 0")

@@ -8,7 +8,9 @@
   source in-process (``"local"``), under backpressure, with offsets committed only once a prompt's Episodes are
   on the broker; undecodable or invalid prompts (``producers/prompts.py``) are dead-lettered;
 * the per-prompt pipeline (``producers/pipeline.py``): ``group_size`` samples, rewards (``producers.rewards``),
-  Episodes to the ``episodes`` topic keyed by ``group_id``, a failed reward's Episode dead-lettered;
+  Episodes to the ``episodes`` topic keyed by ``group_id``, a failed reward's Episode dead-lettered; or, with an
+  environment (``env.name``), the multi-turn loop (``producers/multiturn.py``) against its replicas, found on
+  NATS (``envs/routing.py``);
 * backpressure (``producers.flow.Backpressure``): no new prompt while its weights are more than
   ``max_policy_lag`` versions behind the latest PolicyVersion in the NATS KV store, nor beyond its quota of
   ``groups_per_step`` groups per trainer step (``quota_window_steps`` steps ahead); it resumes when a new version
@@ -37,11 +39,14 @@ import socket
 import time
 from typing import Any
 
+from envs.config import EnvConfig
+from envs.routing import ServiceEnvRouter
 from models.tiny_model import ensure_model
 from producers.config import FeederConfig, GeneratorConfig
 from producers.engine import Engine, Sampling
 from producers.flow import Backpressure, OffsetTracker
 from producers.intake import Intake, Rebalance
+from producers.multiturn import MultiTurnPipeline, TurnRenderer
 from producers.pipeline import PromptPipeline
 from producers.prompts import PromptChecker
 from producers.refunds import DropRefunds
@@ -71,9 +76,11 @@ class GeneratorRole(Service):
     name = "generator"
 
     def __init__(self, cfg: GeneratorConfig, ctx: RoleContext, *, weightsync: WeightSyncConfig | None = None,
-                 local_source: FeederConfig | None = None, engine: Engine | None = None) -> None:
+                 local_source: FeederConfig | None = None, engine: Engine | None = None,
+                 env: EnvConfig | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.env = env if env is not None and env.name else None  # multi-turn episodes against this environment
         self.ctx = ctx
         self.weightsync = weightsync
         self.local_source = local_source
@@ -144,10 +151,11 @@ class GeneratorRole(Service):
         self.store = PolicyStore(self.nc, self.names, history=ctx.nats.kv_history,
                                  timeout_s=ctx.nats.request_timeout_s)
         await self.store.start()
-        if self.rewards.remote:  # remote:<service> rewards: routed by the service layer (runtime/services.py)
+        if self.rewards.remote or self.env is not None:  # routed by the service layer (runtime/services.py)
             self.services = ServiceDirectory(self.nc, self.names, timeout_s=ctx.nats.request_timeout_s)
             await self.services.start()
-            self.rewards.bind(self.services)
+            if self.rewards.remote:
+                self.rewards.bind(self.services)
         current, _ = await self.store.latest_good(on_bad=self._dead_letter_value)
         progress = await self.store.progress()
         steps = [x.step for x in (current, progress) if x is not None]
@@ -169,10 +177,21 @@ class GeneratorRole(Service):
                                 max_tokens=cfg.max_tokens,
                                 vocab_size=lambda: engine.llm.model_config.get_vocab_size(),
                                 chat_template=cfg.chat_template, system_prompt=cfg.system_prompt)
-        pipeline = PromptPipeline(engine=engine, rewards=self.rewards, producer=self.producer, dead=self.dead,
-                                  names=self.names, generator_id=self.generator_id, sampling=self.sampling,
-                                  group_size=cfg.group_size, stats=self.stats, on_scored=self.backpressure.scored,
-                                  on_produced=self.refunds.produced if self.refunds is not None else None)
+        on_produced = self.refunds.produced if self.refunds is not None else None
+        if self.env is not None:
+            self.pipeline: PromptPipeline | MultiTurnPipeline = MultiTurnPipeline(
+                engine=engine, router=ServiceEnvRouter(self.services, self.env), env=self.env,
+                renderer=TurnRenderer(self.tokenizer, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt),
+                producer=self.producer, dead=self.dead, names=self.names, generator_id=self.generator_id,
+                sampling=self.sampling, group_size=cfg.group_size,
+                max_seq_len=getattr(engine, "max_model_len", ctx.model.max_seq_len), stats=self.stats,
+                on_scored=self.backpressure.scored, on_produced=on_produced)
+        else:
+            self.pipeline = PromptPipeline(
+                engine=engine, rewards=self.rewards, producer=self.producer, dead=self.dead, names=self.names,
+                generator_id=self.generator_id, sampling=self.sampling, group_size=cfg.group_size, stats=self.stats,
+                on_scored=self.backpressure.scored, on_produced=on_produced)
+        pipeline = self.pipeline
         self.intake = Intake(cfg, backpressure=self.backpressure, checker=checker, run_prompt=pipeline.run,
                              dead=self.dead, engine_version=lambda: engine.version, stats=self.stats,
                              offsets=self.offsets, local_source=self.local_source)

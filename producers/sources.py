@@ -9,6 +9,9 @@
   column joins ``metadata`` (a batch reward receives each as a keyword column, as TRL's reward functions do).
 * ``reasoning_gym:<dataset>``: ``reasoning_gym.create_dataset(dataset, size=, seed=)`` (offline, with its
   verifier); the entry goes into ``metadata["entry"]`` (JSON-safe) for the ``reasoning_gym`` reward.
+* ``env:<name>``: endless episodes of the environment ``<name>`` (``env.name``), ``prompt_id = "<name>-<seed>-<i>"``,
+  task ``env:<name>``, ``metadata["seed"]`` the seed its group's episodes reset with (``producers/multiturn.py``:
+  the environment writes the prompt).
 
 Finite sources cycle when ``num_prompts`` asks for more (0 = endless); epoch ``e > 0`` suffixes ids with
 ``@e<e>`` so that a prompt seen again is a new group (the buffer deduplicates by episode id). Every source is
@@ -41,6 +44,12 @@ def toy_prompts(task: str, *, seed: int = 0) -> Iterator[Prompt]:
     for i in itertools.count():
         text, answer = t.prompt(rng, "train")
         yield Prompt(prompt_id=f"{task}-{seed}-{i}", task=task, text=text, answer=answer)
+
+
+def env_prompts(name: str, *, seed: int = 0) -> Iterator[Prompt]:
+    for i in itertools.count():
+        yield Prompt(prompt_id=f"{name}-{seed}-{i}", task=f"env:{name}", text=name,
+                     metadata={"seed": seed * 1_000_003 + i})
 
 
 def toy_eval_prompts(task: str, *, size: int, seed: int = 0, patience: int = 5000) -> list[Prompt]:
@@ -140,8 +149,10 @@ def open_source(spec: str, *, seed: int = 0, num_prompts: int = 0) -> Iterator[P
         it = _cycle(jsonl_prompts(arg))
     elif kind == "reasoning_gym":
         it = _cycle(reasoning_gym_prompts(arg, seed=seed, size=num_prompts or 1000))
+    elif kind == "env":
+        it = env_prompts(arg, seed=seed)
     else:
-        raise ConfigError("feeder.source", f"{spec!r} is not a prompt source (toy:, jsonl:, reasoning_gym:)")
+        raise ConfigError("feeder.source", f"{spec!r} is not a prompt source (toy:, jsonl:, reasoning_gym:, env:)")
     return itertools.islice(it, num_prompts) if num_prompts else iter(it)
 
 

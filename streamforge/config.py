@@ -121,6 +121,10 @@ class RunConfig:
         check_staleness(self)
         check_service_replicas(self)
         check_eval(self)
+        episodes = self.buffer.groups_per_batch * self.generator.group_size
+        if not self.buffer.token_budget and self.trainer.minibatches > episodes:
+            raise ConfigError("trainer.minibatches", f"{self.trainer.minibatches} minibatches of a batch of "
+                              f"{episodes} episodes (buffer.groups_per_batch x generator.group_size)")
 
     def context(self) -> RoleContext:
         """What every role shares (``runtime.context``): never the whole run config."""
@@ -149,6 +153,10 @@ def check_service_replicas(config: RunConfig) -> None:
                                       "(a built-in name or 'module:Class'), or set up.envs: 0 if they run elsewhere")
     if env.name and up.envs > 1 and env.port != 0:
         raise ConfigError("env.port", f"{up.envs} replicas on one host cannot share port {env.port}: use 0")
+    kind, _, source_env = config.feeder.source.partition(":")
+    if kind == "env" and source_env != env.name:
+        raise ConfigError("feeder.source", f"{config.feeder.source!r} feeds episodes of {source_env!r}, but env.name "
+                                           f"is {env.name!r}: the generator plays env.name")
 
 
 def check_eval(config: RunConfig) -> None:

@@ -24,8 +24,8 @@ OTHER = {
     "deploy/": "Dockerfiles, docker-compose (Apache Kafka KRaft + NATS), Kubernetes manifests; see deploy/README.md",
     "tests/unit/": "pure tests (fakes allowed, no broker)",
     "tests/integration/": "real Tansu, nats-server, vLLM CPU engine and gloo process groups",
-    "tests/chaos/": "killed roles, a killed durable broker, a frozen NATS, during real runs (marked slow)",
-    "tests/helpers/": "code only the tests use: a weights-only generator process, an in-process batch maker",
+    "tests/chaos/": "killed roles, a killed durable broker, a frozen NATS, faults between hosts, during real runs (marked slow)",
+    "tests/helpers/": "code only the tests use: a weights-only generator process, an in-process batch maker, test hosts in network namespaces",
 }
 
 

@@ -50,7 +50,8 @@ def build_role(role: str, config: Any, **kwargs: Any) -> Any:
     if role == "feeder":
         return cls(config.feeder, ctx, **kwargs)
     if role == "generator":
-        return cls(config.generator, ctx, weightsync=config.weightsync, local_source=config.feeder, **kwargs)
+        return cls(config.generator, ctx, weightsync=config.weightsync, local_source=config.feeder, env=config.env,
+                   **kwargs)
     if role == "buffer":
         return cls(config.buffer, ctx, **kwargs)
     if role == "env":

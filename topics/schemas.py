@@ -12,6 +12,9 @@ Conventions shared by producers, buffer and trainer:
   response tokens. A trainer computes ``logits[:, :-1]`` against ``input_ids[:, 1:]`` and aligns with ``[:, 1:]``.
 * ``token_versions`` hold the policy version that sampled each response token (a swap mid-sequence shows as a
   change inside one episode); ``-1`` marks prompt and padding positions in a Batch.
+* A multi-turn Episode's response interleaves the model's tokens with the environment's (observations and tool
+  results, ``Episode.token_mask`` 0 there): environment tokens carry logprob 0 and version ``-1``, and a Batch's
+  ``loss_mask`` is 0 at them, so no loss reads them.
 * Ids are strings. ``episode_id`` is deterministic: ``f"{group_id}/{index}"``, so a prompt regenerated after a
   crash yields the same ids and the buffer deduplicates.
 """
@@ -60,10 +63,21 @@ class Prompt:
 
 @dataclass(kw_only=True, slots=True)
 class Episode:
-    """One sampled response to one prompt, scored; ``group_size`` episodes share a ``group_id`` (a GRPO group)."""
+    """One sampled response to one prompt, scored; ``group_size`` episodes share a ``group_id`` (a GRPO group).
+
+    Version 2 adds the multi-turn fields (``producers/multiturn.py``): the response is every token after the
+    prompt, the model's turns and the environment's answers in order; ``token_mask[i]`` is 1 where the model
+    sampled ``response_tokens[i]`` (trained) and 0 where the environment wrote it (masked out of every loss; its
+    logprob is 0 and its version -1); ``turn_ids[i]`` the model turn the token belongs to (an observation belongs
+    to the turn that caused it); ``env_name``/``env_replica`` where it ran; ``turn_rewards`` the environment's
+    reward after each turn and ``final_reward`` its last one; ``env_restarts`` how often the episode restarted
+    from ``reset()`` after losing its replica; ``tool_calls`` the tool calls the model made. A single-turn episode
+    (and a version-1 record) has empty ``token_mask``/``turn_ids``: every response token is the model's, turn 0.
+    """
 
     SCHEMA: ClassVar[str] = "episode"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
+    OLDER_VERSIONS: ClassVar[tuple[int, ...]] = (1,)  # decoded into this class, the fields they lack defaulted
 
     episode_id: str
     group_id: str
@@ -83,6 +97,15 @@ class Episode:
     response_text: str = ""
     timings: dict[str, float] = field(default_factory=dict)  # e.g. queued_s, generate_s, reward_s
     created_at: float = field(default_factory=_now)
+    # version 2 (multi-turn; see the class docstring): empty or zero on single-turn episodes
+    token_mask: np.ndarray = tensor("uint8", 1, default=True)  # [R] 1 = model token, 0 = environment token
+    turn_ids: np.ndarray = tensor("int32", 1, default=True)  # [R] model turn of each response token
+    env_name: str = ""
+    env_replica: str = ""
+    turn_rewards: np.ndarray = tensor("float32", 1, default=True)  # [turns] the environment's reward per turn
+    final_reward: float = 0.0
+    env_restarts: int = 0
+    tool_calls: int = 0
 
     def validate(self) -> None:
         n = len(self.response_tokens)
@@ -91,15 +114,36 @@ class Episode:
                 f"episode {self.episode_id}: response_tokens ({n}), logprobs ({len(self.logprobs)}) and "
                 f"token_versions ({len(self.token_versions)}) differ in length"
             )
+        for name in ("token_mask", "turn_ids"):
+            if len(getattr(self, name)) not in (0, n):
+                raise InvalidMessage(f"episode {self.episode_id}: {name} ({len(getattr(self, name))}) must be "
+                                     f"empty or as long as response_tokens ({n})")
+        if not (math.isfinite(self.final_reward) and np.isfinite(self.turn_rewards).all()):
+            raise InvalidMessage(f"episode {self.episode_id}: final_reward or turn_rewards not finite")
+        if self.env_restarts < 0 or self.tool_calls < 0:
+            raise InvalidMessage(f"episode {self.episode_id}: env_restarts and tool_calls must be >= 0")
         if not math.isfinite(self.reward):
             raise InvalidMessage(f"episode {self.episode_id}: reward is not finite ({self.reward})")
         if self.group_size < 1:
             raise InvalidMessage(f"episode {self.episode_id}: group_size {self.group_size} < 1")
 
     @property
+    def model_mask(self) -> np.ndarray:
+        """``[R]`` uint8: 1 at the tokens the model sampled (``token_mask``, all ones when it is empty)."""
+        if len(self.token_mask):
+            return self.token_mask
+        return np.ones(len(self.response_tokens), dtype=np.uint8)
+
+    @property
+    def turns(self) -> int:
+        """Model turns in the episode (1 for a single-turn one)."""
+        return int(self.turn_ids.max()) + 1 if len(self.turn_ids) else 1
+
+    @property
     def min_version(self) -> int:
-        """The oldest policy version among the response tokens (the episode's staleness is measured from it)."""
-        return int(self.token_versions.min()) if len(self.token_versions) else self.policy_version
+        """The oldest policy version among the model's tokens (the episode's staleness is measured from it)."""
+        versions = self.token_versions[self.token_versions >= 0] if len(self.token_mask) else self.token_versions
+        return int(versions.min()) if len(versions) else self.policy_version
 
 
 @dataclass(kw_only=True, slots=True)

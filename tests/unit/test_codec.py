@@ -43,6 +43,8 @@ def messages(draw: st.DrawFn, cls: type) -> object:
     kwargs = {spec.name: draw(_value_strategy(spec, n)) for spec in codec._SPECS[cls]}
     if cls is schemas.Episode:
         kwargs["group_size"] = draw(st.integers(1, 64))
+        kwargs["env_restarts"] = draw(st.integers(0, 2**31))  # validate(): counts
+        kwargs["tool_calls"] = draw(st.integers(0, 2**31))
     if cls is schemas.Batch:
         b = 2
         kwargs["episode_ids"] = ["a", "b"]
@@ -138,12 +140,24 @@ def test_plain_msgpack_reader_can_read_an_episode() -> None:
     """The documented layout: a map with schema/v and tensors as {dtype, shape, data} little-endian bytes."""
     ep = _episode()
     obj = msgpack.unpackb(codec.encode(ep), raw=False)
-    assert obj["schema"] == "episode" and obj["v"] == 1
+    assert obj["schema"] == "episode" and obj["v"] == 2
     assert obj["episode_id"] == "g/0" and obj["reward"] == 1.0
     t = obj["logprobs"]
     assert t["dtype"] == "float32" and t["shape"] == [3]
     assert np.frombuffer(t["data"], dtype="<f4").tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert np.frombuffer(obj["token_versions"]["data"], dtype="<i4").tolist() == [3, 3, 4]
+
+
+def test_a_version_1_episode_decodes_as_a_single_turn_episode() -> None:
+    """A record written before the multi-turn fields: every response token is the model's, turn 0."""
+    obj = msgpack.unpackb(codec.encode(_episode()), raw=False)
+    obj["v"] = 1
+    for name in ("token_mask", "turn_ids", "env_name", "env_replica", "turn_rewards", "final_reward",
+                 "env_restarts", "tool_calls"):
+        del obj[name]
+    ep = codec.decode(msgpack.packb(obj, use_bin_type=True))
+    assert ep.model_mask.tolist() == [1, 1, 1] and ep.turns == 1 and ep.env_name == "" and ep.min_version == 3
+    assert ep.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3])
 
 
 def test_decoded_tensors_are_views_of_the_message_bytes() -> None:
@@ -312,7 +326,8 @@ def test_duplicate_and_unknown_keys_decode_as_a_plain_msgpack_reader_sees_them()
     twice = _with_extra_entry(data, "logprobs", {"dtype": "float32", "shape": [3], "data": bytes(12)})
     assert codec._canonical_message(twice) is None
     assert codec.decode(twice).logprobs.tolist() == [0.0, 0.0, 0.0]
-    with pytest.raises(InvalidMessage):  # a schema given twice, and the last one is not an Episode
+    # a schema given twice, and the last one is not an Episode (nor a version of Prompt that exists)
+    with pytest.raises((InvalidMessage, UnknownSchema)):
         codec.decode(_with_extra_entry(data, "schema", "prompt"), expect=schemas.Episode)
     unknown = _with_extra_entry(data, "added_later", [1, 2])
     assert _equal(codec.decode(unknown), _episode(created_at=codec.decode(data).created_at))

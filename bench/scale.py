@@ -1,0 +1,166 @@
+"""Benchmark: a simulated GPU fleet on the real brokers, buffer and audit; synchronous vs asynchronous training.
+
+Only the GPUs are simulated (``bench/sim/``): generators sleep as a GPU decoding with continuous batching would,
+then produce real Episodes (real token arrays, rewards from a stated distribution) through the real producer path;
+a trainer sleeps a step time proportional to each real Batch's tokens and publishes real policy versions on NATS;
+a weight swap pauses a generator for model size / bandwidth. The embedded brokers (Tansu, nats-server), the
+buffer processes (``streamforge run buffer``), the staleness bounds every role derives from
+``staleness.max_versions`` and the audit are the real ones. Many simulated generators share a process (asyncio),
+``--processes`` processes share the fleet.
+
+The simulation is time-scaled: ``--time-scale`` simulated seconds pass per real second (default 10). Rates of the
+simulation (trained tokens per simulated second, busy fractions, staleness) are in simulated time; figures of real
+components (bytes, messages, episodes per real second, CPU seconds, microseconds per episode) are measured and never
+scaled. ``bench/sim/model.py`` states every distribution and speed; the defaults: response lengths lognormal
+(median 512 tokens, log-sd 0.9, capped at 4096), prompts 64-256 tokens, a prompt's success probability
+Beta(2, 2), groups of 4; a generator GPU decodes 3,000 tokens/s at a full batch and one sequence at most
+100 tokens/s, at most 16 groups at once; a swap moves 14 GB at 25 GB/s; the trainer trains 20,000 tokens/s;
+64 groups per batch.
+
+For each fleet size (``--generators``, default 4 16 64 256), one run per mode on fresh brokers, same fleet and
+seed, the order alternating:
+
+* ``sync``: ``staleness.max_versions: 0``, ``trainer.publish_busy: wait`` (each batch from the latest weights);
+* ``async``: ``staleness.max_versions: 4`` (the default bound), ``publish_busy: skip``.
+
+Each run measures a window after a warm-up (32 s longer where a generator's quota share floors to no group:
+with 256 generators and 64 groups per batch each generator's share is a quarter of a group per step, so at first
+none may take a prompt until the quota's liveness guard grants one, ``producers/flow.py``; the run reports
+``quota_floor_stall``): trained tokens per simulated second, trainer busy fraction, the
+staleness of every trained token (a histogram), episodes per real second offered and consumed, CPU seconds of
+every process (broker, NATS, buffers, trainer, generator processes), buffer and broker CPU per episode; then the
+audit reconciles produced = batched + dropped + pending, nothing lost or trained twice.
+
+Buffer capacity: ``unbounded`` runs (``staleness.max_versions: -1``: no quota, every generator at its full rate;
+a trainer that takes no time) of ``--capacity-generators`` generators at ``--capacity-time-scale``, with one and
+with two buffer processes (one ``episodes`` partition each). A buffer process runs one Python event loop: it
+sustains at most ``1e6 / buffer_us_per_episode`` episodes per real second on its core, and a saturated generator
+makes ``tokens_per_s / mean response length`` episodes per second, so ``max_generators_one_buffer`` is
+``floor(that / this)`` at real (unscaled) speed, from the CPU per episode measured in the one-buffer capacity run;
+the two-buffer run shows that each process takes half the episodes at the same cost per episode, so two processes
+(two partitions) double it, until the broker's CPU per episode (reported too) bounds the fleet.
+
+Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--measure-s S] [--warmup-s S] [--processes P]
+[--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench": "scale",
+"generators": [..], "async_vs_sync": X, "trainer_busy_async": Y, "trainer_busy_sync": Z,
+"max_generators_one_buffer": N, "buffer_us_per_episode": U}`` (the first three at 64 generators; goals:
+``async_vs_sync >= 2.5``, ``trainer_busy_async >= 0.95``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.sim.fleet import FleetRun, run_fleet
+from bench.sim.model import FleetModel
+
+
+def _model(pairs: list[str], time_scale: float) -> FleetModel:
+    model = FleetModel(time_scale=time_scale)
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        current = getattr(model, key)
+        setattr(model, key, type(current)(value))
+    return model
+
+
+def _line(result: dict) -> str:
+    keys = ("mode", "generators", "buffers", "trained_tokens_per_sim_s", "trainer_busy", "staleness_mean",
+            "staleness_max", "episodes_buffered_per_real_s", "buffer_us_per_episode", "broker_us_per_episode",
+            "generator_gpu_utilization", "cpu_per_real_s", "audit")
+    return json.dumps({k: result.get(k) for k in keys})
+
+
+async def sweep(args: argparse.Namespace) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-scale-"))
+    model = _model(args.model, args.time_scale)
+    base = FleetRun(generators=0, model=model, processes=args.processes, groups_per_batch=args.groups_per_batch,
+                    warmup_s=args.warmup_s, measure_s=args.measure_s, seed=args.seed,
+                    overrides=[f"--{s}" for s in args.set])
+    runs: dict[tuple[str, int], dict] = {}
+    for i, n in enumerate(args.generators):
+        for mode in (("sync", "async") if i % 2 == 0 else ("async", "sync")):
+            result = await run_fleet(replace(base, generators=n, mode=mode), workdir / f"{mode}{n}")
+            runs[(mode, n)] = result
+            print(json.dumps(result), flush=True)
+    capacity = []
+    if args.capacity_generators:
+        cap_model = replace(model, time_scale=args.capacity_time_scale, trainer_tokens_per_s=1e12)
+        for buffers in (1, 2):
+            result = await run_fleet(replace(base, generators=args.capacity_generators, mode="unbounded",
+                                             model=cap_model, buffers=buffers, audit=False,
+                                             measure_s=min(args.measure_s, 15.0)),
+                                     workdir / f"capacity{buffers}")
+            capacity.append(result)
+            print(json.dumps(result), flush=True)
+    return {"runs": runs, "capacity": capacity, "model": model}
+
+
+def report(out: dict, generators: list[int]) -> dict:
+    runs, capacity, model = out["runs"], out["capacity"], out["model"]
+    at = 64 if 64 in generators else max(generators)
+    sync, asyn = runs[("sync", at)], runs[("async", at)]
+    per_gen = model.episodes_per_s_per_generator()
+    summary: dict = {"at_generators": at, "episodes_per_s_per_generator": round(per_gen, 3),
+                     "mean_response_tokens": round(model.mean_response_length(), 1),
+                     "table": [_line(r) for r in runs.values()]}
+    source = capacity[0] if capacity else max(runs.values(), key=lambda r: r["episodes_buffered_per_real_s"])
+    u = source["buffer_us_per_episode"]
+    if capacity:
+        two = capacity[1]
+        summary["capacity"] = [_line(r) for r in capacity]
+        summary["buffer_cpu_per_real_s"] = [round(sum(v for k, v in r["cpu_per_real_s"].items()
+                                                      if k.startswith("buffer")) / r["buffers"], 3)
+                                            for r in capacity]
+        if two["buffer_us_per_episode"]:
+            summary["max_generators_two_buffers"] = math.floor(2 * 1e6 / two["buffer_us_per_episode"] / per_gen)
+        if source["broker_us_per_episode"]:
+            summary["max_generators_one_broker_core"] = math.floor(1e6 / source["broker_us_per_episode"] / per_gen)
+    summary["final"] = {
+        "bench": "scale", "generators": generators,
+        "async_vs_sync": round(asyn["trained_tokens_per_sim_s"] / max(sync["trained_tokens_per_sim_s"], 1e-9), 3),
+        "trainer_busy_async": asyn["trainer_busy"], "trainer_busy_sync": sync["trainer_busy"],
+        "max_generators_one_buffer": math.floor(1e6 / u / per_gen) if u else None,
+        "buffer_us_per_episode": u,
+    }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 and 64 generators, short windows")
+    parser.add_argument("--generators", type=int, nargs="+", default=[4, 16, 64, 256])
+    parser.add_argument("--processes", type=int, default=2, help="generator processes")
+    parser.add_argument("--groups-per-batch", type=int, default=64)
+    parser.add_argument("--time-scale", type=float, default=10.0, help="simulated seconds per real second")
+    parser.add_argument("--warmup-s", type=float, default=6.0, help="real seconds before each window")
+    parser.add_argument("--measure-s", type=float, default=30.0, help="real seconds measured per run")
+    parser.add_argument("--capacity-generators", type=int, default=64, help="0: no buffer-capacity runs")
+    parser.add_argument("--capacity-time-scale", type=float, default=40.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
+                        help="a FleetModel field (bench/sim/model.py), e.g. length_cap=8192")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="a run-config override for every run, e.g. buffer.groups_per_batch=32")
+    args = parser.parse_args()
+    if args.quick:
+        args.generators, args.measure_s, args.warmup_s = [4, 64], 12.0, 5.0
+        args.capacity_generators = 64
+    out = asyncio.run(sweep(args))
+    summary = report(out, args.generators)
+    final = summary.pop("final")
+    print(json.dumps(summary))
+    print(json.dumps(final))
+
+
+if __name__ == "__main__":
+    main()

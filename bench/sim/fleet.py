@@ -1,0 +1,264 @@
+"""One simulated-fleet run on the real infrastructure, and its accounting.
+
+``run_fleet(FleetRun(...), workdir)`` starts, like ``streamforge up``:
+
+* the embedded brokers (``streamforge/brokers.EmbeddedBrokers``: Tansu and nats-server) and the run's topics;
+* ``buffers`` real buffer processes (``python -m streamforge run buffer``, one consumer group, one ``episodes``
+  partition each), and waits until they own the partitions;
+* the simulated trainer (``bench/sim/trainer.py``) and ``processes`` generator processes sharing the
+  ``generators`` simulated generators (``bench/sim/generators.py``);
+
+lets them run ``warmup_s`` real seconds, measures ``measure_s`` real seconds (CPU seconds of every process from
+``/proc``, the ``episodes`` high-water marks and the buffers' committed offsets at both ends, the trainer's steps
+inside the window), stops generators, trainer and buffers (SIGTERM: the buffers drain), runs the real audit
+(``streamforge/audit.run_audit``) over the topics and the trainer's ledger, and stops the brokers.
+
+Modes: ``sync`` is ``staleness.max_versions: 0`` with ``trainer.publish_busy: wait`` (every batch from the latest
+weights), ``async`` the bounded default ``staleness.max_versions: 4`` with ``publish_busy: skip``, ``unbounded``
+is ``-1`` (no quota, no staleness filter: the generators produce as fast as they simulate, for a capacity run).
+Every other key derives from those as in a real run (``streamforge/staleness.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.sim.model import FleetModel
+from streamforge.audit import run_audit
+from streamforge.brokers import EmbeddedBrokers
+from streamforge.config import dump_config, load_config
+from topics.admin import ensure_topics, group_offsets, highwaters
+
+ROOT = Path(__file__).resolve().parents[2]
+STALENESS = {"sync": 0, "async": 4, "unbounded": -1}
+_ASSIGNED = re.compile(r"assigned \[([0-9, ]*)\];")
+_TICK = os.sysconf("SC_CLK_TCK")
+AUDIT_KEYS = ("produced", "batched", "batches", "dropped", "pending", "lost", "batched_and_dropped", "in_two_batches",
+              "trained_steps", "trained", "trained_twice", "stale_batches", "stale_fraction", "reconciles")
+
+
+@dataclass(kw_only=True)
+class FleetRun:
+    generators: int
+    mode: str = "async"
+    model: FleetModel = field(default_factory=FleetModel)
+    processes: int = 2  # generator processes
+    buffers: int = 1  # buffer processes (= episodes partitions)
+    groups_per_batch: int = 64
+    warmup_s: float = 8.0  # real seconds before the measurement window
+    measure_s: float = 30.0  # real seconds measured
+    seed: int = 0
+    audit: bool = True
+    overrides: list[str] = field(default_factory=list)  # more --section.key=value for the run config
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of one process (``/proc/<pid>/stat``), 0 when it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return 0.0
+    fields = raw[raw.rindex(b")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def run_config(run: FleetRun, brokers: EmbeddedBrokers, run_dir: Path) -> Any:
+    m = run.model
+    pending = max(4096, 2 * run.generators * m.max_concurrent_prompts * m.group_size)
+    return load_config(None, [
+        f"--run.prefix=scale{os.getpid()}{run.mode}{run.generators}", f"--run.run_dir={run_dir}",
+        f"--run.seed={run.seed}", f"--kafka.bootstrap={brokers.kafka_bootstrap}", f"--nats.url={brokers.nats_url}",
+        "--telemetry.traces=none", f"--staleness.max_versions={STALENESS[run.mode]}",
+        f"--trainer.publish_busy={'wait' if run.mode == 'sync' else 'skip'}",
+        f"--up.generators={run.generators}", f"--up.buffers={run.buffers}",
+        f"--topics.episodes_partitions={run.buffers}", f"--buffer.groups_per_batch={run.groups_per_batch}",
+        "--buffer.batching=pack", f"--buffer.pack_row_tokens={m.length_cap + m.prompt_max}",
+        # a batch waits for its groups (the trainer's step needs them all), not for a real-time deadline that
+        # the time scale would turn into a cut of every sync batch
+        "--buffer.max_batch_wait_s=60", "--buffer.group_timeout_s=120", f"--buffer.max_pending_episodes={pending}",
+        f"--generator.max_concurrent_prompts={m.max_concurrent_prompts}", f"--generator.group_size={m.group_size}",
+        *run.overrides,
+    ], environ={})
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-2000:] if path.exists() else ""
+
+
+async def _wait_assigned(logs: list[Path], procs: list[subprocess.Popen], partitions: int) -> None:
+    """Until the buffers' latest assignments split the partitions, twice in a row half a second apart."""
+    deadline = time.monotonic() + 60 + 30 * len(procs)
+    settled = None
+    while True:
+        latest = []
+        for path in logs:
+            found = _ASSIGNED.findall(path.read_text(errors="replace"))
+            latest.append(sorted(int(p) for p in found[-1].split(",") if p.strip()) if found else [])
+        if sorted(p for parts in latest for p in parts) == list(range(partitions)) and all(latest):
+            if settled == latest:
+                return
+            settled = latest
+        else:
+            settled = None
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            raise RuntimeError("buffers not ready:\n" + "\n".join(_tail(p) for p in logs))
+        await asyncio.sleep(0.5)
+
+
+async def _start_child(module: str, spec: dict, workdir: Path, name: str) -> subprocess.Popen:
+    spec_path = workdir / f"{name}.json"
+    spec_path.write_bytes(orjson.dumps(spec))
+    log = workdir / f"{name}.log"
+    with open(log, "wb") as out:  # noqa: ASYNC230 - before the measurement
+        proc = subprocess.Popen([sys.executable, "-m", module, str(spec_path)], cwd=ROOT,  # noqa: ASYNC220
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 60
+    while b"ready" not in log.read_bytes():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not start:\n{_tail(log)}")
+        await asyncio.sleep(0.1)
+    return proc
+
+
+def _stop(procs: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _overlap(a: float, b: float, lo: float, hi: float) -> float:
+    return max(0.0, min(b, hi) - max(a, lo))
+
+
+async def run_fleet(run: FleetRun, workdir: Path) -> dict[str, Any]:
+    """One run (module docstring); returns its figures (``summarize``) with the audit."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    brokers = EmbeddedBrokers(workdir / "brokers")
+    await brokers.start()
+    procs: list[subprocess.Popen] = []
+    try:
+        cfg = run_config(run, brokers, workdir / "run")
+        await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
+        cfg_path = workdir / "run.yaml"
+        cfg_path.write_text(dump_config(cfg))
+        buf_logs = [workdir / f"buffer{i}.log" for i in range(run.buffers)]
+        buffers = []
+        for path in buf_logs:
+            with open(path, "wb") as out:  # noqa: ASYNC230
+                buffers.append(subprocess.Popen(  # noqa: ASYNC220
+                    [sys.executable, "-m", "streamforge", "run", "buffer", "--config", str(cfg_path)], cwd=ROOT,
+                    stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        procs += buffers
+        await _wait_assigned(buf_logs, buffers, run.buffers)
+        base = {"config": str(cfg_path), "model": run.model.to_dict(), "seed": run.seed}
+        trainer = await _start_child("bench.sim.trainer", {**base, "stats": str(workdir / "trainer.stats")},
+                                     workdir, "trainer")
+        procs.append(trainer)
+        ids = [f"sim{i}" for i in range(run.generators)]
+        nproc = max(1, min(run.processes, run.generators))
+        gens = []
+        for p in range(nproc):
+            spec = {**base, "seed": run.seed * 1000 + p, "process": p, "ids": ids[p::nproc],
+                    "stats": str(workdir / f"gen{p}.stats")}
+            gens.append(await _start_child("bench.sim.generators", spec, workdir, f"gen{p}"))
+        procs += gens
+        roles = {"broker": brokers._procs["tansu"].pid, "nats": brokers._procs["nats"].pid,
+                 "trainer": trainer.pid, **{f"buffer{i}": b.pid for i, b in enumerate(buffers)},
+                 **{f"gen{i}": g.pid for i, g in enumerate(gens)}}
+        # a generator whose share of a step floors to no group at all (groups_per_batch < generators, a small
+        # window) takes nothing until the quota's liveness guard grants it one (30 s before two versions were seen,
+        # producers/flow.py): the window starts after that
+        g = cfg.generator
+        stalls = g.groups_per_step > 0 and math.floor(g.quota_window_steps * g.groups_per_step + 1e-9) == 0
+        await asyncio.sleep(run.warmup_s + (32.0 if stalls else 0.0))
+
+        async def snapshot() -> tuple[float, dict[str, float], int, int]:
+            t = time.time()
+            cpu = {k: cpu_s(pid) for k, pid in roles.items()}
+            hw = sum((await highwaters(cfg.kafka, cfg.names.episodes)).values())
+            done = sum((await group_offsets(cfg.kafka, cfg.names.buffers_group, cfg.names.episodes)).values())
+            return t, cpu, hw, done
+
+        start = await snapshot()
+        deadline = time.monotonic() + run.measure_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            dead = [k for k, p in (("trainer", trainer), *((f"gen{i}", g) for i, g in enumerate(gens)),
+                                   *((f"buffer{i}", b) for i, b in enumerate(buffers))) if p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"{dead} exited:\n" + "\n".join(_tail(workdir / f"{k}.log") for k in dead))
+        end = await snapshot()
+        _stop(gens)
+        _stop([trainer])
+        _stop(buffers)  # SIGTERM: each drains (publishes what it holds, commits)
+        gen_stats = [orjson.loads((workdir / f"gen{p}.stats").read_bytes()) for p in range(nproc)]
+        trainer_stats = orjson.loads((workdir / "trainer.stats").read_bytes())
+        audit = await run_audit(cfg) if run.audit else None
+        result = summarize(run, start, end, gen_stats, trainer_stats, audit)
+        result["quota_floor_stall"] = stalls
+        return result
+    finally:
+        _stop(procs, 10)
+        brokers.stop()
+
+
+def summarize(run: FleetRun, start: tuple, end: tuple, gens: list[dict], trainer: dict,
+              audit: dict | None) -> dict[str, Any]:
+    """The run's figures: simulated rates per simulated second, real counts and CPU per real second/episode."""
+    k = run.model.time_scale
+    (t0, cpu0, hw0, done0), (t1, cpu1, hw1, done1) = start, end
+    wall = t1 - t0
+    steps = trainer["steps"]
+    busy = sum(_overlap(a, b, t0, t1) for a, b, *_ in steps)
+    tokens = sum(tok * _overlap(a, b, t0, t1) / max(b - a, 1e-9) for a, b, tok, *_ in steps)
+    cpu = {key: round(cpu1[key] - cpu0[key], 3) for key in cpu0}
+    processed = done1 - done0
+    buffer_cpu = sum(v for key, v in cpu.items() if key.startswith("buffer"))
+    hist = {int(s): n for s, n in trainer["staleness"].items()}
+    total = sum(hist.values()) or 1
+    gen = {key: sum(g[key] for g in gens) for key in gens[0] if isinstance(gens[0][key], (int, float))}
+    sim_gen_s = sum(g["wall_s"] for g in gens) / len(gens) * k
+    out: dict[str, Any] = {
+        "mode": run.mode, "generators": run.generators, "buffers": run.buffers, "time_scale": k,
+        "window_real_s": round(wall, 2),
+        "trained_tokens_per_sim_s": round(tokens / (wall * k), 1),
+        "trainer_busy": round(busy / wall, 3),
+        "steps_in_window": sum(1 for _, b, *_ in steps if t0 <= b <= t1),
+        "steps": len(steps), "versions_published": len(trainer["publications"]),
+        "stale_batches": trainer["stale_batches"],
+        "staleness_tokens": dict(sorted(hist.items())),
+        "staleness_mean": round(sum(s * n for s, n in hist.items()) / total, 3),
+        "staleness_max": max(hist, default=0),
+        "episodes_offered_per_real_s": round((hw1 - hw0) / wall, 1),
+        "episodes_buffered_per_real_s": round(processed / wall, 1),
+        "buffer_lag_growth": (hw1 - done1) - (hw0 - done0),
+        "cpu_s": cpu, "cpu_per_real_s": {key: round(v / wall, 3) for key, v in cpu.items()},
+        "buffer_us_per_episode": round(1e6 * buffer_cpu / processed, 1) if processed else None,
+        "broker_us_per_episode": round(1e6 * cpu["broker"] / processed, 1) if processed else None,
+        "generator_gpu_utilization": round(gen["tokens"] / (run.generators * run.model.tokens_per_s * sim_gen_s), 3),
+        "generator": {key: (round(v, 1) if isinstance(v, float) else v) for key, v in gen.items()
+                      if key not in ("process",)},
+        "failures": [f for g in gens for f in g["failures"]] + ([trainer["failure"]] if trainer["failure"] else []),
+    }
+    if audit is not None:
+        out["audit"] = {key: audit[key] for key in AUDIT_KEYS}
+    return out
+
