@@ -216,3 +216,30 @@ async def test_an_evaluation_scores_every_held_out_prompt_and_appends_its_row(tm
     assert r["eval/pass_at_1"] == 0.25 and r["eval/pass_at_k"] == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
     assert r["skipped"] == 1 and rows[1]["skipped"] == 1  # 5 was due after 3 and passed over for 8
     role.rewards.close()
+
+
+def test_reward_png_carries_the_eval_curve(tmp_path):
+    from streamforge.plots import _plot_eval, plot_run
+
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join(
+        orjson.dumps({"step": s, "time_s": 10.0 + s, "reward_mean": 0.1, "staleness_mean": 1, "loss": 0}) + b"\n"
+        for s in range(1, 21)))
+    (tmp_path / "eval.jsonl").write_bytes(b"".join(
+        orjson.dumps({"policy_version": v, "step": v, "eval/accuracy": v / 20, "eval/pass_at_k": v / 10, "k": 4})
+        + b"\n" for v in (0, 10, 20)))
+
+    class Axes:
+        def __init__(self) -> None:
+            self.lines: list[tuple[list, list, str]] = []
+
+        def plot(self, x, y, fmt, **kw):  # type: ignore[no-untyped-def]
+            self.lines.append((x, y, kw["label"]))
+
+        def legend(self, **kw):  # type: ignore[no-untyped-def]
+            pass
+
+    ax = Axes()
+    _plot_eval(ax, tmp_path / "eval.jsonl", {0: 11.0, 10: 20.0, 20: 30.0})
+    assert ax.lines == [([11.0, 20.0, 30.0], [0.0, 0.5, 1.0], "held-out accuracy"),
+                        ([11.0, 20.0, 30.0], [0.0, 1.0, 2.0], "held-out pass@4")]
+    assert plot_run(tmp_path) == tmp_path / "reward.png" and (tmp_path / "reward.png").stat().st_size > 0
