@@ -88,6 +88,10 @@ def test_up_with_an_evaluator_needs_a_held_out_split():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["--up.evaluators=1", "--feeder.source=jsonl:train.jsonl"], environ={})
     assert err.value.key == "eval.source"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--up.evaluators=1", "--trainer.export_hf=false"], environ={})
+    assert err.value.key == "trainer.export_hf"
+    load_config(None, ["--up.evaluators=1", "--trainer.export_hf=false", "--weightsync.transport=file"], environ={})
     cfg = load_config(None, ["--up.evaluators=1", "--feeder.source=jsonl:train.jsonl",
                              "--eval.source=jsonl:held_out.jsonl"], environ={})
     assert resolve_source(cfg.eval, cfg.feeder.source) == "jsonl:held_out.jsonl"
