@@ -165,6 +165,9 @@ def check_eval(config: RunConfig) -> None:
 
     if config.up.evaluators:
         resolve_source(config.eval, config.feeder.source)
+        if not config.trainer.export_hf and config.weightsync.transport != "file":
+            raise ConfigError("trainer.export_hf", "the evaluator loads the HF export of each checkpoint: keep it on "
+                                                   "(or use weightsync.transport: file)")
     reward = config.eval.correct_reward
     names = [s.rpartition(":")[2] for s in config.generator.rewards]
     if reward and reward not in config.generator.rewards and reward not in names:

@@ -36,7 +36,8 @@ def plot_run(run_dir: str | os.PathLike) -> Path | None:
         ax.plot(t, [r.get(key, float("nan")) for r in rows], lw=1.2)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    _plot_eval(axes[0], run_dir / "eval.jsonl", {r.get("step"): r.get("time_s") for r in rows})
+    steps = {0: t[0], **{r.get("step"): r.get("time_s") for r in rows}}  # the initial weights: training's start
+    _plot_eval(axes[0], run_dir / "eval.jsonl", steps)
     axes[-1].set_xlabel("time since start (s)")
     axes[0].set_title(f"{run_dir.name}: {len(rows)} steps")
     fig.tight_layout()
@@ -48,7 +49,7 @@ def plot_run(run_dir: str | os.PathLike) -> Path | None:
 
 def _plot_eval(ax: Any, path: Path, time_of_step: dict[Any, Any]) -> None:
     """The eval curve on the reward axis: each evaluated version at the trainer's time of its step."""
-    points = [(time_of_step.get(r.get("step"), 0.0 if r.get("step") == 0 else None), r) for r in read_metrics(path)]
+    points = [(time_of_step.get(r.get("step")), r) for r in read_metrics(path)]
     points = [(t, r) for t, r in points if t is not None]
     if not points:
         return

@@ -46,7 +46,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 60.0) -> int | None:
     return proc.returncode
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(660)
 def test_a_late_evaluator_reports_versions_it_did_not_see_start(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFORGE_")}
@@ -55,7 +55,7 @@ def test_a_late_evaluator_reports_versions_it_did_not_see_start(tmp_path: Path) 
     up = subprocess.Popen(
         [sys.executable, "-m", "streamforge", "up", "--config", "configs/demo.yaml", "--run-dir", str(run_dir),
          "--trainer.max_steps=5000", "--trainer.reward_target=0", "--trainer.checkpoint_every=3",
-         "--up.max_wall_s=420", "--up.live=lines", "--up.lag_every_s=0"],
+         "--up.max_wall_s=540", "--up.live=lines", "--up.lag_every_s=0"],
         cwd=ROOT, env=env, stdout=up_log, stderr=subprocess.STDOUT, start_new_session=True)
     evaluator: subprocess.Popen | None = None
     try:
@@ -74,12 +74,15 @@ def test_a_late_evaluator_reports_versions_it_did_not_see_start(tmp_path: Path) 
              f"--run.run_dir={run_dir}", f"--kafka.bootstrap={addr['KAFKA_BOOTSTRAP']}",
              f"--nats.url={addr['NATS_URL']}", f"--model.path={run_dir / 'model'}", "--eval.samples=4",
              "--eval.every_versions=2"],
-            cwd=ROOT, env=env, stdout=(tmp_path / "evaluator.log").open("wb"), stderr=subprocess.STDOUT,
+            # its own core, as `up` gives it (cpu_binds): vLLM's CPU engines would otherwise share core 0, where the
+            # generator's spinning OpenMP threads starve the evaluator's start-up for minutes
+            cwd=ROOT, env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"}, stdout=(tmp_path / "evaluator.log").open("wb"),
+            stderr=subprocess.STDOUT,
             start_new_session=True)
         def newer() -> list:  # type: ignore[type-arg]
             return [r for r in read_eval_rows(run_dir / "eval.jsonl") if r["policy_version"] > start_version]
 
-        wait_for("two evaluations of versions newer than the evaluator's start", lambda: len(newer()) >= 2, 180,
+        wait_for("two evaluations of versions newer than the evaluator's start", lambda: len(newer()) >= 2, 300,
                  [up, evaluator])
         assert stop(evaluator) == 0, (tmp_path / "evaluator.log").read_text()[-3000:]
     finally:

@@ -88,6 +88,10 @@ def test_up_with_an_evaluator_needs_a_held_out_split():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["--up.evaluators=1", "--feeder.source=jsonl:train.jsonl"], environ={})
     assert err.value.key == "eval.source"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["--up.evaluators=1", "--trainer.export_hf=false"], environ={})
+    assert err.value.key == "trainer.export_hf"
+    load_config(None, ["--up.evaluators=1", "--trainer.export_hf=false", "--weightsync.transport=file"], environ={})
     cfg = load_config(None, ["--up.evaluators=1", "--feeder.source=jsonl:train.jsonl",
                              "--eval.source=jsonl:held_out.jsonl"], environ={})
     assert resolve_source(cfg.eval, cfg.feeder.source) == "jsonl:held_out.jsonl"
@@ -156,3 +160,90 @@ def test_due_export_follows_the_cadence_and_counts_skipped_versions():
     assert due_export(exports, 5, 2) == (exports[-1], 2)  # due at 7 and 9 passed over, 11 reached by 12
     assert due_export(exports, 5, 1) == (exports[-1], 6)
     assert math.isclose(due_export(exports, 0, 4)[1], 2)
+
+
+# -- one evaluation, on a fake engine (the real one: tests/integration/test_evaluator.py) --------------------------
+
+class FakeEngine:
+    """Answers each addmod10 prompt: greedy right, samples right for the first ``right`` of them."""
+
+    def __init__(self, right: int) -> None:
+        self.right = right
+        self.version = 0
+        self.loaded: list[tuple[int, str]] = []
+
+    async def generate(self, tokens, n, sampling, *, request_id=""):  # type: ignore[no-untyped-def]
+        from producers.engine import Completion
+
+        a, b = int(chr(tokens[0])), int(chr(tokens[2]))
+        answer = str((a + b) % 10)
+        if sampling.temperature == 0:
+            return [Completion(index=0, text=answer)]
+        return [Completion(index=i, text=answer if i < self.right else "x") for i in range(n)]
+
+    async def swap(self, version, load, *, mode="keep"):  # type: ignore[no-untyped-def]
+        class LLM:
+            async def collective_rpc(_self, method, kwargs):  # type: ignore[no-untyped-def]
+                self.loaded.append((version, kwargs["weights_path"]))
+
+        await load(LLM())
+        self.version = version
+        return 1.0
+
+
+async def test_an_evaluation_scores_every_held_out_prompt_and_appends_its_row(tmp_path):
+    from producers.evaluator import EvaluatorRole, read_eval_rows
+    from producers.rewards import RewardSet
+    from streamforge.roles import build_role
+
+    cfg = load_config(None, [f"--run.run_dir={tmp_path}", "--eval.samples=4", "--eval.pass_k=2",
+                             "--eval.every_versions=2"], environ={})
+    engine = FakeEngine(right=1)
+    role: EvaluatorRole = build_role("evaluator", cfg, engine=engine)
+    role.rewards = RewardSet(["toy"])
+    role.correct = "toy"
+    role.prompts = [(p, [ord(c) for c in p.text]) for p in eval_prompts(role.source, size=64, seed=1)]
+    checkpoint(tmp_path, 6, 5)
+    checkpoint(tmp_path, 9, 8)
+    role.latest = PolicyVersion(version=8, step=9, transport="gloo")
+    role.last_version = 3
+    await role._evaluate_due()
+    checkpoint(tmp_path, 12, 9)
+    await role._evaluate_due()  # 9 < 8 + 2: not due
+    await role._evaluate_due(final=True)  # the drain's: the newest, whatever the cadence
+    rows = read_eval_rows(tmp_path / "eval.jsonl")
+    assert [(r["policy_version"], r["step"]) for r in rows] == [(8, 9), (9, 12)]
+    assert [v for v, _ in engine.loaded] == [8, 9] and engine.version == 9
+    assert (tmp_path / "evaluator" / "weights" / "model.safetensors").exists()
+    r = rows[0]
+    assert r["episodes"] == 13 and r["eval/accuracy"] == 1.0 and r["eval/reward_mean"] == 1.0
+    assert r["eval/pass_at_1"] == 0.25 and r["eval/pass_at_k"] == pytest.approx(0.5)  # 1 - C(3,2)/C(4,2)
+    assert r["skipped"] == 1 and rows[1]["skipped"] == 1  # 5 was due after 3 and passed over for 8
+    role.rewards.close()
+
+
+def test_reward_png_carries_the_eval_curve(tmp_path):
+    from streamforge.plots import _plot_eval, plot_run
+
+    (tmp_path / "metrics.jsonl").write_bytes(b"".join(
+        orjson.dumps({"step": s, "time_s": 10.0 + s, "reward_mean": 0.1, "staleness_mean": 1, "loss": 0}) + b"\n"
+        for s in range(1, 21)))
+    (tmp_path / "eval.jsonl").write_bytes(b"".join(
+        orjson.dumps({"policy_version": v, "step": v, "eval/accuracy": v / 20, "eval/pass_at_k": v / 10, "k": 4})
+        + b"\n" for v in (0, 10, 20)))
+
+    class Axes:
+        def __init__(self) -> None:
+            self.lines: list[tuple[list, list, str]] = []
+
+        def plot(self, x, y, fmt, **kw):  # type: ignore[no-untyped-def]
+            self.lines.append((x, y, kw["label"]))
+
+        def legend(self, **kw):  # type: ignore[no-untyped-def]
+            pass
+
+    ax = Axes()
+    _plot_eval(ax, tmp_path / "eval.jsonl", {0: 11.0, 10: 20.0, 20: 30.0})
+    assert ax.lines == [([11.0, 20.0, 30.0], [0.0, 0.5, 1.0], "held-out accuracy"),
+                        ([11.0, 20.0, 30.0], [0.0, 1.0, 2.0], "held-out pass@4")]
+    assert plot_run(tmp_path) == tmp_path / "reward.png" and (tmp_path / "reward.png").stat().st_size > 0
