@@ -75,7 +75,7 @@ def _model(pairs: list[str], time_scale: float) -> FleetModel:
 
 def _line(result: dict) -> str:
     keys = ("mode", "generators", "buffers", "trained_tokens_per_sim_s", "trainer_busy", "staleness_mean",
-            "staleness_max", "episodes_buffered_per_real_s", "buffer_us_per_episode", "broker_us_per_episode",
+            "staleness_max", "episodes_decided_per_real_s", "buffer_us_per_episode", "broker_us_per_episode",
             "generator_gpu_utilization", "cpu_per_real_s", "audit")
     return json.dumps({k: result.get(k) for k in keys})
 
@@ -92,6 +92,15 @@ async def sweep(args: argparse.Namespace) -> dict:
             result = await run_fleet(replace(base, generators=n, mode=mode), workdir / f"{mode}{n}")
             runs[(mode, n)] = result
             print(json.dumps(result), flush=True)
+    levers = []
+    at = 64 if 64 in args.generators else max(args.generators)
+    for lever in args.lever:
+        sets = [f"--{item}" for item in lever.split(",")]
+        run = replace(base, generators=at, mode="async", overrides=base.overrides + sets)
+        result = await run_fleet(run, workdir / f"lever{len(levers)}")
+        result["lever"] = lever
+        levers.append(result)
+        print(json.dumps(result), flush=True)
     capacity = []
     if args.capacity_generators:
         cap_model = replace(model, time_scale=args.capacity_time_scale, trainer_tokens_per_s=1e12)
@@ -102,7 +111,7 @@ async def sweep(args: argparse.Namespace) -> dict:
                                      workdir / f"capacity{buffers}")
             capacity.append(result)
             print(json.dumps(result), flush=True)
-    return {"runs": runs, "capacity": capacity, "model": model}
+    return {"runs": runs, "capacity": capacity, "levers": levers, "model": model}
 
 
 def report(out: dict, generators: list[int]) -> dict:
@@ -113,7 +122,12 @@ def report(out: dict, generators: list[int]) -> dict:
     summary: dict = {"at_generators": at, "episodes_per_s_per_generator": round(per_gen, 3),
                      "mean_response_tokens": round(model.mean_response_length(), 1),
                      "table": [_line(r) for r in runs.values()]}
-    source = capacity[0] if capacity else max(runs.values(), key=lambda r: r["episodes_buffered_per_real_s"])
+    summary["levers"] = [{"set": r["lever"], "trainer_busy": r["trainer_busy"],
+                          "trained_tokens_per_sim_s": r["trained_tokens_per_sim_s"],
+                          "vs_sync": round(r["trained_tokens_per_sim_s"] / max(sync["trained_tokens_per_sim_s"], 1e-9), 3),
+                          "staleness_mean": r["staleness_mean"], "staleness_max": r["staleness_max"],
+                          "stale_fraction": r.get("audit", {}).get("stale_fraction")} for r in out["levers"]]
+    source = capacity[0] if capacity else max(runs.values(), key=lambda r: r["episodes_decided_per_real_s"])
     u = source["buffer_us_per_episode"]
     if capacity:
         two = capacity[1]
@@ -146,15 +160,20 @@ def main() -> None:
     parser.add_argument("--measure-s", type=float, default=30.0, help="real seconds measured per run")
     parser.add_argument("--capacity-generators", type=int, default=64, help="0: no buffer-capacity runs")
     parser.add_argument("--capacity-time-scale", type=float, default=40.0)
+    parser.add_argument("--lever", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="an extra async run at 64 generators with these overrides (repeatable); default: "
+                             "buffer.max_batches_ahead=3 and staleness.max_versions=8,buffer.max_batches_ahead=6")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="a FleetModel field (bench/sim/model.py), e.g. length_cap=8192")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a run-config override for every run, e.g. buffer.groups_per_batch=32")
     args = parser.parse_args()
+    if args.lever is None:
+        args.lever = ["buffer.max_batches_ahead=3", "staleness.max_versions=8,buffer.max_batches_ahead=6"]
     if args.quick:
         args.generators, args.measure_s, args.warmup_s = [4, 64], 12.0, 5.0
-        args.capacity_generators = 64
+        args.capacity_generators, args.lever = 64, args.lever[:1]
     out = asyncio.run(sweep(args))
     summary = report(out, args.generators)
     final = summary.pop("final")
