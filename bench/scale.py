@@ -36,9 +36,12 @@ a trainer that takes no time) of ``--capacity-generators`` generators at ``--cap
 with two buffer processes (one ``episodes`` partition each). A buffer process runs one Python event loop: it
 sustains at most ``1e6 / buffer_us_per_episode`` episodes per real second on its core, and a saturated generator
 makes ``tokens_per_s / mean response length`` episodes per second, so ``max_generators_one_buffer`` is
-``floor(that / this)`` at real (unscaled) speed, from the CPU per episode measured in the one-buffer capacity run;
-the two-buffer run shows that each process takes half the episodes at the same cost per episode, so two processes
-(two partitions) double it, until the broker's CPU per episode (reported too) bounds the fleet.
+``floor(that / this)`` at real (unscaled) speed, from the CPU per episode (batch and drop records the buffers
+decided in the window, times their episodes) of the one-buffer capacity run. The two-buffer run splits the episodes
+between two processes at about the same cost each, so the bound grows with the processes
+(``max_generators_two_buffers`` in the summary line) until the next bound, the broker's CPU per episode
+(``max_generators_one_broker_core``: Tansu per core). On a small host the simulated generators' own CPU may cap the
+offered load before any of these; the per-process CPU per real second shows which.
 
 Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--measure-s S] [--warmup-s S] [--processes P]
 [--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench": "scale",
