@@ -36,9 +36,12 @@ a trainer that takes no time) of ``--capacity-generators`` generators at ``--cap
 with two buffer processes (one ``episodes`` partition each). A buffer process runs one Python event loop: it
 sustains at most ``1e6 / buffer_us_per_episode`` episodes per real second on its core, and a saturated generator
 makes ``tokens_per_s / mean response length`` episodes per second, so ``max_generators_one_buffer`` is
-``floor(that / this)`` at real (unscaled) speed, from the CPU per episode measured in the one-buffer capacity run;
-the two-buffer run shows that each process takes half the episodes at the same cost per episode, so two processes
-(two partitions) double it, until the broker's CPU per episode (reported too) bounds the fleet.
+``floor(that / this)`` at real (unscaled) speed, from the CPU per episode (batch and drop records the buffers
+decided in the window, times their episodes) of the one-buffer capacity run. The two-buffer run splits the episodes
+between two processes at about the same cost each, so the bound grows with the processes
+(``max_generators_two_buffers`` in the summary line) until the next bound, the broker's CPU per episode
+(``max_generators_one_broker_core``: Tansu per core). On a small host the simulated generators' own CPU may cap the
+offered load before any of these; the per-process CPU per real second shows which.
 
 Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--measure-s S] [--warmup-s S] [--processes P]
 [--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench": "scale",
@@ -75,7 +78,7 @@ def _model(pairs: list[str], time_scale: float) -> FleetModel:
 
 def _line(result: dict) -> str:
     keys = ("mode", "generators", "buffers", "trained_tokens_per_sim_s", "trainer_busy", "staleness_mean",
-            "staleness_max", "episodes_buffered_per_real_s", "buffer_us_per_episode", "broker_us_per_episode",
+            "staleness_max", "episodes_decided_per_real_s", "buffer_us_per_episode", "broker_us_per_episode",
             "generator_gpu_utilization", "cpu_per_real_s", "audit")
     return json.dumps({k: result.get(k) for k in keys})
 
@@ -92,6 +95,15 @@ async def sweep(args: argparse.Namespace) -> dict:
             result = await run_fleet(replace(base, generators=n, mode=mode), workdir / f"{mode}{n}")
             runs[(mode, n)] = result
             print(json.dumps(result), flush=True)
+    levers = []
+    at = 64 if 64 in args.generators else max(args.generators)
+    for lever in args.lever:
+        sets = [f"--{item}" for item in lever.split(",")]
+        run = replace(base, generators=at, mode="async", overrides=base.overrides + sets)
+        result = await run_fleet(run, workdir / f"lever{len(levers)}")
+        result["lever"] = lever
+        levers.append(result)
+        print(json.dumps(result), flush=True)
     capacity = []
     if args.capacity_generators:
         cap_model = replace(model, time_scale=args.capacity_time_scale, trainer_tokens_per_s=1e12)
@@ -102,7 +114,7 @@ async def sweep(args: argparse.Namespace) -> dict:
                                      workdir / f"capacity{buffers}")
             capacity.append(result)
             print(json.dumps(result), flush=True)
-    return {"runs": runs, "capacity": capacity, "model": model}
+    return {"runs": runs, "capacity": capacity, "levers": levers, "model": model}
 
 
 def report(out: dict, generators: list[int]) -> dict:
@@ -113,7 +125,12 @@ def report(out: dict, generators: list[int]) -> dict:
     summary: dict = {"at_generators": at, "episodes_per_s_per_generator": round(per_gen, 3),
                      "mean_response_tokens": round(model.mean_response_length(), 1),
                      "table": [_line(r) for r in runs.values()]}
-    source = capacity[0] if capacity else max(runs.values(), key=lambda r: r["episodes_buffered_per_real_s"])
+    summary["levers"] = [{"set": r["lever"], "trainer_busy": r["trainer_busy"],
+                          "trained_tokens_per_sim_s": r["trained_tokens_per_sim_s"],
+                          "vs_sync": round(r["trained_tokens_per_sim_s"] / max(sync["trained_tokens_per_sim_s"], 1e-9), 3),
+                          "staleness_mean": r["staleness_mean"], "staleness_max": r["staleness_max"],
+                          "stale_fraction": r.get("audit", {}).get("stale_fraction")} for r in out["levers"]]
+    source = capacity[0] if capacity else max(runs.values(), key=lambda r: r["episodes_decided_per_real_s"])
     u = source["buffer_us_per_episode"]
     if capacity:
         two = capacity[1]
@@ -146,15 +163,21 @@ def main() -> None:
     parser.add_argument("--measure-s", type=float, default=30.0, help="real seconds measured per run")
     parser.add_argument("--capacity-generators", type=int, default=64, help="0: no buffer-capacity runs")
     parser.add_argument("--capacity-time-scale", type=float, default=40.0)
+    parser.add_argument("--lever", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="an extra async run at 64 generators with these overrides (repeatable); default: "
+                             "the quota window at the staleness bound's limit, (S - G) x P + 1: "
+                             "generator.quota_window_steps=4 (S=4), and S=8 with a window of 8")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="a FleetModel field (bench/sim/model.py), e.g. length_cap=8192")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a run-config override for every run, e.g. buffer.groups_per_batch=32")
     args = parser.parse_args()
+    if args.lever is None:
+        args.lever = ["generator.quota_window_steps=4", "staleness.max_versions=8,generator.quota_window_steps=8"]
     if args.quick:
         args.generators, args.measure_s, args.warmup_s = [4, 64], 12.0, 5.0
-        args.capacity_generators = 64
+        args.capacity_generators, args.lever = 64, args.lever[:1]
     out = asyncio.run(sweep(args))
     summary = report(out, args.generators)
     final = summary.pop("final")

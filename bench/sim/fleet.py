@@ -190,12 +190,16 @@ async def run_fleet(run: FleetRun, workdir: Path) -> dict[str, Any]:
         stalls = g.groups_per_step > 0 and math.floor(g.quota_window_steps * g.groups_per_step + 1e-9) == 0
         await asyncio.sleep(run.warmup_s + (32.0 if stalls else 0.0))
 
-        async def snapshot() -> tuple[float, dict[str, float], int, int]:
+        async def snapshot() -> tuple[float, dict[str, float], int, int, int]:
+            """Time, CPU seconds per process, episodes on the topic, buffers' committed offsets, and the episodes
+            the buffers decided: batch records x groups_per_batch plus drop records (one a group), x group size."""
             t = time.time()
             cpu = {k: cpu_s(pid) for k, pid in roles.items()}
             hw = sum((await highwaters(cfg.kafka, cfg.names.episodes)).values())
             done = sum((await group_offsets(cfg.kafka, cfg.names.buffers_group, cfg.names.episodes)).values())
-            return t, cpu, hw, done
+            batches = sum((await highwaters(cfg.kafka, cfg.names.batches)).values())
+            drops = sum((await highwaters(cfg.kafka, cfg.names.drops)).values())
+            return t, cpu, hw, done, (batches * run.groups_per_batch + drops) * run.model.group_size
 
         start = await snapshot()
         deadline = time.monotonic() + run.measure_s
@@ -224,13 +228,13 @@ def summarize(run: FleetRun, start: tuple, end: tuple, gens: list[dict], trainer
               audit: dict | None) -> dict[str, Any]:
     """The run's figures: simulated rates per simulated second, real counts and CPU per real second/episode."""
     k = run.model.time_scale
-    (t0, cpu0, hw0, done0), (t1, cpu1, hw1, done1) = start, end
+    (t0, cpu0, hw0, done0, decided0), (t1, cpu1, hw1, done1, decided1) = start, end
     wall = t1 - t0
     steps = trainer["steps"]
     busy = sum(_overlap(a, b, t0, t1) for a, b, *_ in steps)
     tokens = sum(tok * _overlap(a, b, t0, t1) / max(b - a, 1e-9) for a, b, tok, *_ in steps)
     cpu = {key: round(cpu1[key] - cpu0[key], 3) for key in cpu0}
-    processed = done1 - done0
+    processed = decided1 - decided0
     buffer_cpu = sum(v for key, v in cpu.items() if key.startswith("buffer"))
     hist = {int(s): n for s, n in trainer["staleness"].items()}
     total = sum(hist.values()) or 1
@@ -248,8 +252,10 @@ def summarize(run: FleetRun, start: tuple, end: tuple, gens: list[dict], trainer
         "staleness_mean": round(sum(s * n for s, n in hist.items()) / total, 3),
         "staleness_max": max(hist, default=0),
         "episodes_offered_per_real_s": round((hw1 - hw0) / wall, 1),
-        "episodes_buffered_per_real_s": round(processed / wall, 1),
-        "buffer_lag_growth": (hw1 - done1) - (hw0 - done0),
+        "episodes_decided_per_real_s": round(processed / wall, 1),
+        # records not yet committed by the buffers: grows when they hold groups for the trainer (max_batches_ahead)
+        # or cannot keep up
+        "uncommitted_growth": (hw1 - done1) - (hw0 - done0),
         "cpu_s": cpu, "cpu_per_real_s": {key: round(v / wall, 3) for key, v in cpu.items()},
         "buffer_us_per_episode": round(1e6 * buffer_cpu / processed, 1) if processed else None,
         "broker_us_per_episode": round(1e6 * cpu["broker"] / processed, 1) if processed else None,
@@ -260,5 +266,6 @@ def summarize(run: FleetRun, start: tuple, end: tuple, gens: list[dict], trainer
     }
     if audit is not None:
         out["audit"] = {key: audit[key] for key in AUDIT_KEYS}
+        out["audit"]["lost_sample"] = audit["samples"]["lost"]
     return out
 

@@ -32,7 +32,8 @@ async def test_simulated_fleet_accounts_for_every_episode(mode: str, tmp_path: P
     assert audit["produced"] == out["generator"]["episodes"]  # every episode the generators made reached Kafka
     assert audit["lost"] == audit["in_two_batches"] == audit["trained_twice"] == audit["batched_and_dropped"] == 0
     assert audit["trained_steps"] == out["steps"]  # the ledger has a line per simulated step
-    assert out["generator"]["zero_variance"] * 4 == audit["dropped"].get("zero_variance", 0)
+    # a zero-variance group is dropped as such, unless it was stale first
+    assert 0 < audit["dropped"].get("zero_variance", 0) <= out["generator"]["zero_variance"] * 4
     # one version per step (sync waits for each round; async folds the steps of a busy round into the next)
     assert 1 <= out["versions_published"] <= out["steps"] + 1
     if mode == "sync":
