@@ -123,7 +123,7 @@ def _calculator_moves_prompt(rng: random.Random) -> tuple[str, str]:
         return f"{problem}<calc>{a}{op}{b}</calc><eos><result>{value}</result>", str(value)
     if rng.random() < 0.5:
         return problem, f"<calc>{a}{op}{b}</calc>"
-    return problem, str(rng.randrange(min(10, value), 10 ** len(str(value))))  # a one-digit difference too
+    return problem, str(rng.randrange(10, max(100, 10 ** len(str(value)))))
 
 
 ANSWER_INSTRUCTION = "Put only the final number inside <answer></answer> tags."

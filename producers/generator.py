@@ -22,7 +22,9 @@ Metrics (``runtime.metrics.record_metric``, flushed every ``generator.metrics_ev
 ``generator/episodes_per_s``, ``generator/prompts``, ``generator/episodes``, ``generator/policy_version``,
 ``generator/swaps``, ``generator/in_flight``, ``generator/quota_refunds``, ``generator/queue_wait_s``, and per
 group ``generator/reward_mean``,
-``generator/generate_s`` and ``generator/response_tokens``.
+``generator/generate_s`` and ``generator/response_tokens``; with an environment also ``generator/env/turns``,
+``generator/env/tool_calls`` per episode and the outcome counters ``generator/env/<outcome>`` (``done``,
+``rejected``, ``truncated``, ``restarts``, ``replica_lost``... see ``producers/multiturn.py``).
 
 Supervised loops (``Service.serve``): ``intake`` (consumes prompts), ``policy`` and ``progress`` (watch the
 store's latest version and the trainer's steps), ``metrics`` and ``weightsync`` (the receiver). A prompt task that fails unexpectedly (engine dead, broker error) makes ``intake``

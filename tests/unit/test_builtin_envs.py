@@ -98,3 +98,19 @@ def test_calculator_wrong_or_garbled_answer_scores_zero():
     env.reset(seed=1)
     obs = env.step(CalculatorAction(text="no idea \u2603"))
     assert obs.done and obs.reward == 0.0
+
+
+@pytest.mark.parametrize("task", ["blackjack_moves", "calculator_moves"])
+def test_warm_start_tasks_speak_the_environments_words(task: str):
+    """The warm-start contexts look like what the multi-turn loop builds from the environment's observations."""
+    from models.tasks import get_task
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text, answer = get_task(task).make_prompt(rng)
+        if task == "blackjack_moves":
+            assert answer in ("hit", "stand") and text.endswith(": ") and text.startswith("you ")
+        else:
+            assert text.split("<calc>")[0].endswith("? ") and answer
+            if "<result>" in text:
+                assert answer == text.rsplit("<result>", 1)[1].removesuffix("</result>")
