@@ -164,8 +164,8 @@ def test_bandwidth_limit_slows_pushes_within_the_ack_deadline(run: HostRun) -> N
     assert max(v["round_s"] for v in limited) < ACK_DEADLINE_S
     assert run.log_text("trainer").count("no ack within") == late  # no generator fenced for a late ack
     steps = run.steps()
-    first = statistics.mean(r["reward_mean"] for r in steps[:5])
-    last = statistics.mean(r["reward_mean"] for r in steps[-5:])
+    first = statistics.mean(r["reward_mean"] for r in steps[:10])  # the run has learnt through the faults
+    last = statistics.mean(r["reward_mean"] for r in steps[-20:])
     assert last > first, (first, last)
     assert_ledger_once(run)
     assert_audit_clean(run)
