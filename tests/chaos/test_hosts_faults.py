@@ -1,6 +1,6 @@
 """Faults between hosts: one demo run spread over three network namespaces (``tests/helpers/netns.py``,
 ``tests/helpers/hostrun.py``): brokers, feeder and buffer on ``brokers``, the trainer on ``trainer``, the vLLM
-generator on ``generator``. The four tests share the run (one vLLM start-up for all, which costs more than the
+generator on ``generator``. The tests share the run (one vLLM start-up for all, which costs more than the
 faults) and run in this order, each on the run as the previous one left it:
 
 1. the generator host's cable is pulled for 15 s mid-run, then plugged back: the generator waits and resumes;
@@ -9,15 +9,19 @@ faults) and run in this order, each on the run as the previous one left it:
 3. the trainer host is killed whole (SIGKILL to every process in its namespace); the restarted trainer resumes from
    its checkpoint;
 4. a ``tbf`` limit on the trainer host's egress: weight pushes slow down, no round waits past the ack deadline, and
-   the run has learnt (reward up from its start).
+   the run has learnt (reward up from its start);
+5. every role drains on SIGTERM and the audit of the stopped run reconciles.
 
-After each: the audit finds nothing lost and nothing trained twice, and every wait is bounded (``HostRun.wait_for``).
+After each: the audit finds nothing lost and nothing trained twice (of the live run: its ``reconciles`` needs the
+stopped run of test 5), and every wait is bounded (``HostRun.wait_for``).
 Skipped where network namespaces cannot be made (not root).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import statistics
 import time
 
@@ -170,3 +174,19 @@ def test_bandwidth_limit_slows_pushes_within_the_ack_deadline(run: HostRun) -> N
     assert_ledger_once(run)
     assert_audit_clean(run)
 
+
+
+@pytest.mark.timeout(180)
+def test_the_run_stops_cleanly_and_reconciles(run: HostRun) -> None:
+    """After the four faults: every role drains on SIGTERM (generator and feeder first, so nothing new is made),
+    and the audit of the stopped run reconciles: every episode produced was batched, dropped for a reason, or is
+    pending in the log for a restarted buffer."""
+    for group in (("generator", "feeder"), ("buffer", "trainer")):
+        for name in group:
+            os.killpg(run.procs[name].pid, signal.SIGTERM)
+        for name in group:
+            assert run.procs[name].wait(60) == 0, run.log_tail(name)
+    audit = assert_audit_clean(run)
+    assert audit["reconciles"] and audit["unknown_decided"] == 0 and audit["trained_unknown_batches"] == 0, audit
+    print(f"audit: {audit['produced']} produced, {audit['trained']} trained, {audit['dropped']} dropped, "
+          f"{audit['pending']} pending")
