@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -84,6 +85,8 @@ def remove_leftovers(prefix: str = PREFIX) -> list[str]:
 
 def can_create() -> str:
     """Why namespaces cannot be made here ("" when they can)."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add)"
     probe = f"{PREFIX}{os.getpid()}-probe"
