@@ -29,7 +29,8 @@ class LaggedRun:
     reached: bool  # the running mean reached the target
     curve: list[float] = field(default_factory=list)  # the running mean reward after each batch
     rewards: list[float] = field(default_factory=list)  # each batch's mean reward
-    clip_fraction: list[float] = field(default_factory=list)
+    clip_fraction: list[float] = field(default_factory=list)  # each batch's mean over its optimizer steps
+    prox_drift: list[float] = field(default_factory=list)  # decoupled_ppo's mean |log pi - log pi_prox|, same
     train_s: float = 0.0
     wall_s: float = 0.0
 
@@ -68,6 +69,7 @@ def run_lagged(model_dir: Path, run_dir: Path, *, loss: str, lag: int = 4, targe
         run.rewards.append(recent[-1])
         run.curve.append(float(np.mean(recent)))
         run.clip_fraction.append(float(metrics.get("clip_fraction", 0.0)))
+        run.prox_drift.append(float(metrics.get("prox_drift", 0.0)))
         if len(recent) == window and run.curve[-1] >= target:
             run.reached = True
             break
