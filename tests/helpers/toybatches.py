@@ -55,14 +55,32 @@ class ToyBatchMaker:
                 break
         return toks, lps
 
-    def make(self, model: torch.nn.Module, version: int = 0) -> Batch:
+    def make(self, model: torch.nn.Module, version: int = 0, *, filter_zero_variance: bool = False,
+             max_draws: int = 8) -> Batch:
+        """A batch of ``prompts`` groups; with ``filter_zero_variance`` only groups whose rewards differ (the
+        buffer's ``filter_zero_variance``, DAPO's dynamic sampling), drawing ``prompts`` more at a time, at most
+        ``max_draws`` times (fewer groups then). ``self.rollout_rewards``: every sampled response's reward, kept or
+        not (the demo's ``reward_mean``)."""
         was_training = model.training
         model.eval()
+        rows: list[tuple[list[int], list[int], list[float], float, str]] = []
+        self.rollout_rewards: list[float] = []
+        for _ in range(max_draws if filter_zero_variance else 1):
+            for group in self._groups(model):
+                self.rollout_rewards += [r[3] for r in group]
+                if len(rows) < self.prompts * self.group_size and (
+                        not filter_zero_variance or len({r[3] for r in group}) > 1):
+                    rows += group
+            if len(rows) >= self.prompts * self.group_size:
+                break
+        model.train(was_training)
+        return self._batch(rows, version)
+
+    def _groups(self, model: torch.nn.Module) -> list[list[tuple[list[int], list[int], list[float], float, str]]]:
         prompts = []
         for p in range(self.prompts):
             text, answer = self.task.make_prompt(self.rng)
             prompts.append((list(self.tok(text)["input_ids"]), answer, f"toy{self.count}-{p}"))
-        rows: list[tuple[list[int], list[int], list[float], float, str]] = []
         by_len: dict[int, list[int]] = {}
         for i, (ids, _, _) in enumerate(prompts):
             by_len.setdefault(len(ids), []).append(i)
@@ -73,16 +91,18 @@ class ToyBatchMaker:
             for k, i in enumerate(idx):
                 sl = slice(k * self.group_size, (k + 1) * self.group_size)
                 sampled[i] = (toks[sl], lps[sl])
+        groups = []
         for i, (prompt_ids, answer, gid) in enumerate(prompts):
             toks, lps = sampled[i]
+            group = []
             for j in range(self.group_size):
                 resp = toks[j].tolist()
                 n = resp.index(self.eos) + 1 if self.eos in resp else len(resp)
                 completion = self.tok.decode(resp[: n - 1 if self.eos in resp else n], skip_special_tokens=True)
-                rows.append((prompt_ids, resp[:n], lps[j, :n].tolist(), self.task.score(completion, answer), gid))
-        model.train(was_training)
-        self.count += 1
-        return self._batch(rows, version)
+                group.append((prompt_ids, resp[:n], lps[j, :n].tolist(), self.task.score(completion, answer), gid))
+            groups.append(group)
+        self.count += 1  # group ids stay unique across draws
+        return groups
 
     def _batch(self, rows: list, version: int) -> Batch:
         b = len(rows)
