@@ -111,3 +111,14 @@ async def run_config(brokers: BrokerAddresses, tmp_path: Path):
     await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
     return cfg
 
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model gains nothing from a second thread, and OpenMP spinning on a busy 2-core box costs 10x."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -11,18 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model gains nothing from a second thread, and OpenMP spinning on a busy 2-core box costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.timeout(280)

@@ -15,15 +15,6 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def one_thread():
-    """The tiny model gains nothing from a second thread, and OpenMP spinning on a busy 2-core box costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.timeout(280)
 def test_mean_reward_rises_on_addmod10(tmp_path, one_thread):
     from consumers.config import TrainerConfig
