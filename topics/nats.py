@@ -36,6 +36,24 @@ OnBadMessage = Callable[[str, bytes, CodecError], Awaitable[None]]
 log = logging.getLogger("streamforge.nats")
 
 
+class _Client(NATS):
+    """nats-py's client, with a PONG that finds its flush abandoned ignored instead of fatal.
+
+    nats-py 2.16 keeps a flush's future in its PONG queue when the flush times out or is cancelled (as
+    ``refusals.subscribe_checked`` does when the server refuses the subscription) and later calls ``set_result`` on
+    it: ``InvalidStateError`` ends the connection's read loop, and from then on nothing on that connection is read
+    (a later refusal or reply never arrives; its request times out). Seen under load in
+    tests/integration/test_nats_permissions.py."""
+
+    async def _process_pong(self) -> None:
+        if self._pongs:  # PONGs answer PINGs in order: the head is this PONG's, abandoned or not
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
+
 def connect_kwargs(cfg: NatsConfig, *, name: str) -> dict[str, Any]:
     """nats-py connect() keyword arguments (auth and TLS); secrets come from the environment."""
     if not cfg.url:
@@ -75,8 +93,9 @@ async def connect(cfg: NatsConfig, *, name: str) -> NATS:
     for attempt in range(1, cfg.connect_retries + 1):
         try:
             # bounded: nats-py can retry a failing TLS handshake forever inside one connect()
-            nc = await asyncio.wait_for(nats.connect(**kw, error_cb=on_error, allow_reconnect=True),
-                                        timeout=3 * cfg.connect_timeout_s + 1)
+            nc = _Client()
+            await asyncio.wait_for(nc.connect(**kw, error_cb=on_error, allow_reconnect=True),
+                                   timeout=3 * cfg.connect_timeout_s + 1)
             nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever: roles degrade, not die
             made.append(nc)
             return nc

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -36,8 +37,10 @@ SCOPE = ServiceScope(envs=("count",), rewards=("judge",))  # the services tests'
 
 
 @contextlib.asynccontextmanager
-async def secured_server(tmp_path: Path, names: Names, scope: ServiceScope | None = None):
-    """A nats-server with JetStream and the run's per-role users; yields its URL."""
+async def secured_server(tmp_path: Path, names: Names, scope: ServiceScope | None = None,
+                         procs: list[subprocess.Popen] | None = None):
+    """A nats-server with JetStream and the run's per-role users; yields its URL (its process goes into
+    ``procs`` if given)."""
     port = free_port()
     conf = tmp_path / "nats.conf"
     conf.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{tmp_path / "js"}" }}\n'
@@ -45,6 +48,8 @@ async def secured_server(tmp_path: Path, names: Names, scope: ServiceScope | Non
     env = {**os.environ, **PASSWORDS}
     proc = subprocess.Popen([nats_server_binary(), "-c", str(conf)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    if procs is not None:
+        procs.append(proc)
     url = f"nats://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
@@ -317,3 +322,36 @@ async def test_a_big_services_bucket_is_watched_to_the_end_through_flow_control(
         finally:
             for nc in conns.values():
                 await nc.close()
+
+
+
+
+async def test_an_abandoned_flush_leaves_the_connection_reading(tmp_path: Path) -> None:
+    """A flush that times out (nats-py's own timeout) or is cancelled (``subscribe_checked`` on a refused SUB)
+    leaves its future in the PONG queue; nats-py alone ends the connection's read loop when that PONG arrives
+    (``InvalidStateError``), after which no reply or refusal is ever read. ``topics.nats.connect``'s client goes
+    on reading. The server is paused (SIGSTOP) so that the PONG comes after the flush gave up."""
+    from nats.errors import FlushTimeoutError
+
+    names = Names("perm")
+    procs: list[subprocess.Popen] = []
+    async with secured_server(tmp_path, names, procs=procs) as url:
+        env = await connect(as_role(url, "env", request_timeout_s=5.0), name="env")
+        try:
+            procs[0].send_signal(signal.SIGSTOP)
+            while Path(f"/proc/{procs[0].pid}/stat").read_text().split()[2] != "T":  # the signal takes a moment
+                await asyncio.sleep(0.01)
+            try:
+                with pytest.raises(FlushTimeoutError):
+                    await env.flush(timeout=0.2)
+            finally:
+                procs[0].send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.5)  # the abandoned flush's PONG arrives
+            t0 = time.monotonic()  # a refusal on the same connection is still read at once
+            with pytest.raises(PermissionDenied):
+                await asyncio.wait_for(PolicyStore(env, names, timeout_s=5.0).start(), 10)
+            assert time.monotonic() - t0 < 2.0
+            assert env._reading_task is not None and not env._reading_task.done()
+            await env.flush(timeout=2)  # and a flush gets its own PONG
+        finally:
+            await env.close()
