@@ -33,6 +33,10 @@ class GeneratorConfig:
     reward_weights: list[float] = field(default_factory=list)  # empty = all 1.0
     reward_timeout_s: float = 10.0  # a reward slower than this dead-letters its Episode
     kv_cache_gib: float = 1.0  # vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    # the engine's weights and compute: bfloat16 generates faster on a CPU with avx512_bf16 (bench/bf16.py) and
+    # receives the trainer's float32 pushes cast; its logprobs are the behaviour policy's, so the loss's importance
+    # ratio against the trainer's float32 logprobs carries the precision mismatch (measured by bench/bf16.py)
+    dtype: Literal["float32", "bfloat16"] = "float32"
     # the cores this generator and its vLLM CPU engine run on, a CPU list such as "0" or "0-3" ("" = vLLM's own
     # choice, or `up`'s split between generators); sets VLLM_CPU_OMP_THREADS_BIND (runtime/cpus.py)
     cpus: str = ""

@@ -1,6 +1,6 @@
 """The generator's inference engine: vLLM's ``AsyncLLM`` with per-token policy versions and a swap hook.
 
-``Engine(model_path, ...)`` owns one ``AsyncLLM`` (float32, eager; on CPU its KV cache is
+``Engine(model_path, ...)`` owns one ``AsyncLLM`` (``dtype``, float32 by default; eager; on CPU its KV cache is
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts). ``extra_args`` are more
 engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
 ``weight_transfer_config``).
@@ -65,7 +65,8 @@ class Engine:
 
     def __init__(self, model_path: str, *, version: int = 0, max_model_len: int = 256, seed: int = 0,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-                 logprobs_mode: str = "processed_logprobs", extra_args: dict[str, Any] | None = None) -> None:
+                 logprobs_mode: str = "processed_logprobs", dtype: str = "float32",
+                 extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
         self.version = version
         self.max_model_len = max_model_len
@@ -74,6 +75,7 @@ class Engine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.enforce_eager = enforce_eager
         self.logprobs_mode = logprobs_mode
+        self.dtype = dtype
         self.extra_args = dict(extra_args or {})
         self.llm: Any = None
         self._swap_lock = asyncio.Lock()
@@ -95,7 +97,7 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(self.kv_cache_gib))}")
         args = AsyncEngineArgs(
             model=self.model_path,
-            dtype="float32",
+            dtype=self.dtype,
             enforce_eager=self.enforce_eager,
             max_model_len=self.max_model_len,
             seed=self.seed,

@@ -173,3 +173,51 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         await nc_g.close()
         await nc_t.close()
         await engine.stop()
+
+
+async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
+    """``generator.dtype: bfloat16``: the engine keeps bf16 weights and the trainer's fp32 push is cast into them;
+    afterwards its logprobs are the trainer's model's within bf16's precision, and far from the old weights'."""
+    from consumers.model import hf_named_tensors, load_policy
+    from producers.engine import Engine
+
+    gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30)
+    policy = load_policy(tiny_dir)
+    v0 = load_policy(tiny_dir)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    engine = Engine(str(tiny_dir), max_model_len=256, dtype="bfloat16", extra_args=vllm_args(gloo))
+    await engine.start()
+    nc_t = await connect(run_config.nats, name="trainer")
+    nc_g = await connect(run_config.nats, name="generator")
+    follow = None
+    try:
+        receiver = WeightReceiver(gloo, engine=engine, nc=nc_g, names=run_config.names, generator_id="g0")
+        await receiver.start()
+        follow = asyncio.create_task(receiver.loop())
+        before = [await _engine_prompt_logprobs(engine, ids, f"b{j}") for j, ids in enumerate(PROMPTS)]
+        for lp, ids in zip(before, PROMPTS):  # bf16 weights: near the fp32 model, not equal to it
+            assert (lp - _trainer_logprobs(v0.model, ids)).abs().max().item() < 0.1
+        async with WeightPublisher(gloo, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir) as pub:
+            async with asyncio.timeout(gloo.heartbeat_s * 5):
+                while "g0" not in pub.members():
+                    await asyncio.sleep(0.05)
+            await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
+            await _wait_version(engine, 1)
+            assert pub.members()["g0"]["acked_version"] == 1
+        for j, ids in enumerate(PROMPTS):
+            lp = await _engine_prompt_logprobs(engine, ids, f"a{j}")
+            new, old = _trainer_logprobs(policy.model, ids), _trainer_logprobs(v0.model, ids)
+            assert (lp - new).abs().max().item() < 0.1
+            assert (lp - new).abs().mean().item() < (lp - old).abs().mean().item() / 3  # it took the push
+        assert receiver.counters["load_failures"] == 0
+        await receiver.stop()
+    finally:
+        if follow is not None:
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+        await nc_g.close()
+        await nc_t.close()
+        await engine.stop()
