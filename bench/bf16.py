@@ -8,13 +8,15 @@ SmolLM2-135M-Instruct (``model.source: smollm2-135m``). Three measurements, each
   times (each engine in its own subprocess, since a vLLM CPU engine keeps its threads; the median of each side's
   rounds is compared);
 - the trainer step: ``consumers.engine.TrainEngine.step`` with ``trainer.dtype`` float32 against bfloat16 (bf16
-  parameters and AdamW state: no fp32 master weights), alternated on the same rows;
-- drift: the per-token logprobs of the same rows under the bf16 and the fp32 weights (the mismatch an importance
-  ratio between a bf16 generator and an fp32 trainer would carry): mean and max ``|lp_bf16 - lp_fp32|`` and the
-  mean ``exp(|diff|) - 1``.
+  parameters and AdamW state: no fp32 master weights) and against ``trainer.autocast`` (float32 parameters, the
+  step under ``torch.autocast("cpu", torch.bfloat16)``: bf16 matmuls, fp32 master weights), alternated on the
+  same rows;
+- drift: the per-token logprobs of the same rows under the bf16 weights (and under autocast) and the fp32
+  weights (the mismatch an importance ratio between a bf16 generator and an fp32 trainer would carry): mean and
+  max ``|lp_bf16 - lp_fp32|`` and the mean ``exp(|diff|) - 1``.
 
 Last line: ``{"bench": "bf16", "generate_bf16_vs_fp32": G, "step_bf16_vs_fp32": S, "logprob_drift_mean": D,
-"logprob_drift_max": M, ...}`` (ratios > 1: bf16 faster).
+"logprob_drift_max": M, "step_autocast_vs_fp32": A, ...}`` (ratios > 1: bf16 faster).
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def train_and_drift(model: Path, args: argparse.Namespace) -> tuple[list[float],
 
     vocab = orjson.loads((model / "config.json").read_bytes())["vocab_size"]
     engines = {}
-    for dtype in ("float32", "bfloat16"):
-        cfg = TrainerConfig(loss="grpo", lr=1e-6, export_hf=False, grad_clip=1.0, dtype=dtype)
+    for dtype in ("float32", "bfloat16", "autocast"):
+        cfg = TrainerConfig(loss="grpo", lr=1e-6, export_hf=False, grad_clip=1.0, autocast=dtype == "autocast",
+                            dtype="float32" if dtype == "autocast" else dtype)
         engines[dtype] = TrainEngine(cfg, model_dir=model, run_dir=tempfile.mkdtemp(), d=Dist(),
                                      max_seq_len=args.prompt + args.response)
     # drift first, on the untouched weights of both
@@ -88,23 +91,30 @@ def train_and_drift(model: Path, args: argparse.Namespace) -> tuple[list[float],
     lps = {}
     with torch.no_grad():
         for dtype, eng in engines.items():
-            lp, _ = token_logprobs(eng.policy.model, batch_inputs(batch).input_ids)
+            inputs = batch_inputs(batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+                lp, _ = token_logprobs(eng.policy.model, inputs.input_ids, scored=inputs.scored)
             lps[dtype] = lp[:, -args.response:].float()
     diff = (lps["bfloat16"] - lps["float32"]).abs()
+    mixed = (lps["autocast"] - lps["float32"]).abs()
     drift = {"logprob_drift_mean": round(float(diff.mean()), 5), "logprob_drift_max": round(float(diff.max()), 4),
-             "ratio_error_mean": round(float((diff.exp() - 1).mean()), 5)}
-    times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+             "ratio_error_mean": round(float((diff.exp() - 1).mean()), 5),
+             "autocast_drift_mean": round(float(mixed.mean()), 5),
+             "autocast_drift_max": round(float(mixed.max()), 4)}
+    times: dict[str, list[float]] = {k: [] for k in engines}
     for i in range(args.pairs + 1):  # round 0 warms up
         batch = synthetic_batch(rows=args.rows, prompt=args.prompt, response=args.response, vocab=vocab, seed=i)
         for dtype, eng in engines.items():
             t0 = time.perf_counter()
-            eng.step(batch)
+            eng.step(batch)  # trainer.autocast: the engine enters torch.autocast itself
             s = time.perf_counter() - t0
             print(f"round {i}: step {dtype} {s:.2f} s", flush=True)
             if i:
                 times[dtype].append(s)
     ratios = [f / b for f, b in zip(times["float32"], times["bfloat16"])]
-    return ratios, {**drift, "step_fp32_s": round(statistics.median(times["float32"]), 3),
+    autocast = [f / b for f, b in zip(times["float32"], times["autocast"])]
+    return ratios, {**drift, "step_autocast_vs_fp32": round(statistics.median(autocast), 3),
+                    "step_autocast_s": round(statistics.median(times["autocast"]), 3), "step_fp32_s": round(statistics.median(times["float32"]), 3),
                     "step_bf16_s": round(statistics.median(times["bfloat16"]), 3)}
 
 

@@ -45,6 +45,10 @@ class TrainerConfig:
     world_size: int = 1  # ranks (torchrun or spawned); gloo on CPU, nccl on GPU
     tp: int = 1  # tensor-parallel degree (divides world_size); the other world_size / tp ranks are data-parallel
     dtype: Literal["float32", "bfloat16"] = "float32"  # parameters and compute
+    # mixed precision: the step's matmuls in bf16 under torch.autocast while parameters, gradients and AdamW state
+    # stay float32 (a bf16 parameter loses updates smaller than 1/256 of its value; lr 1e-5 is such an update);
+    # the logprobs' vocabulary projection stays fp32. Needs trainer.dtype float32 (bench/bf16.py measures it)
+    autocast: bool = False
     seed: int = 0  # torch seed of the trainer
     # torch's intra-op threads in each rank (0 = torch's default, one per core); for several ranks or roles on one
     # CPU host. The demo keeps 0: there 1 thread made the median step slower (README, "The demo").
@@ -90,6 +94,8 @@ class TrainerConfig:
             raise ConfigError("trainer.tp", f"must be at least 1 and divide trainer.world_size {self.world_size}")
         if self.threads < 0:
             raise ConfigError("trainer.threads", "must be >= 0 (0 = torch's default)")
+        if self.autocast and self.dtype != "float32":
+            raise ConfigError("trainer.autocast", "keeps float32 master weights: it needs trainer.dtype float32")
         parse_cpus(self.cpus, key="trainer.cpus")
 
     @property

@@ -83,12 +83,14 @@ class TrainEngine:
     # -- collective operations --------------------------------------------------------------------------------
     def step(self, batch: Batch) -> dict[str, float]:
         """The optimizer steps on ``batch``: one on the whole batch, or ``trainer.ppo_epochs x trainer.minibatches``
-        (``consumers/ppo.py``); under dp each step trains this rank's share of its rows. Returns global metrics."""
-        if self.cfg.mode == "sft" or self.cfg.ppo_epochs * self.cfg.minibatches == 1:
-            return self._update(batch)
-        return ppo_update(batch, epochs=self.cfg.ppo_epochs, n_minibatches=self.cfg.minibatches,
-                          split_rows=split_rows, update=self._update,
-                          proximal=self._proximal if wants_proximal(self.loss_fn) else None)
+        (``consumers/ppo.py``); under dp each step trains this rank's share of its rows; with ``trainer.autocast``
+        inside ``torch.autocast`` (bf16). Returns global metrics."""
+        with torch.autocast(self.d.device.type, dtype=torch.bfloat16, enabled=self.cfg.autocast):
+            if self.cfg.mode == "sft" or self.cfg.ppo_epochs * self.cfg.minibatches == 1:
+                return self._update(batch)
+            return ppo_update(batch, epochs=self.cfg.ppo_epochs, n_minibatches=self.cfg.minibatches,
+                              split_rows=split_rows, update=self._update,
+                              proximal=self._proximal if wants_proximal(self.loss_fn) else None)
 
     def _inputs(self, batch: Batch) -> StepInputs:
         """This rank's share of ``batch`` as tensors (the whole batch when the rows are not split)."""

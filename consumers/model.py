@@ -261,7 +261,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
     ``scored`` (``[B, T]`` bool, e.g. the loss mask): only those positions are needed; the others come back 0. On
     a single-device decoder the vocabulary projection, softmax and entropy then run on those positions only (the
     lm_head over a 49k vocabulary is a large share of a step, and prompt positions need none of it); a sharded
-    model (DTensor lm_head) computes every position as without it.
+    model (DTensor lm_head) computes every position as without it. Under ``torch.autocast`` (``trainer.autocast``)
+    that projection runs in fp32: bf16 logits would move the logprobs, and the importance ratio, by ~0.05 nats.
     """
     args = (input_ids.long(),)
     if segment_ids is not None:
@@ -280,7 +281,12 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
         finally:
             model._skip_lm_head = False
         where = scored[:, 1:].bool()
-        logits = head(hidden[:, :-1][where]).float()
+        picked = hidden[:, :-1][where]
+        if torch.is_autocast_enabled(picked.device.type):  # trainer.autocast: the logprobs' own projection in fp32
+            with torch.autocast(picked.device.type, enabled=False):
+                logits = head(picked.float()).float()
+        else:
+            logits = head(picked).float()
         target = target[where]
     if temperature != 1.0:
         logits = logits / temperature
