@@ -165,8 +165,8 @@ def main() -> None:
     parser.add_argument("--capacity-time-scale", type=float, default=40.0)
     parser.add_argument("--lever", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
                         help="an extra async run at 64 generators with these overrides (repeatable); default: "
-                             "the quota window at the staleness bound's limit, (S - G) x P + 1: "
-                             "generator.quota_window_steps=4 (S=4), and S=8 with a window of 8")
+                             "the quota window one step narrower than the derived (S - G) x P + 1, "
+                             "generator.quota_window_steps=3 (S=4), and S=8 (a derived window of 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="a FleetModel field (bench/sim/model.py), e.g. length_cap=8192")
@@ -174,7 +174,7 @@ def main() -> None:
                         help="a run-config override for every run, e.g. buffer.groups_per_batch=32")
     args = parser.parse_args()
     if args.lever is None:
-        args.lever = ["generator.quota_window_steps=4", "staleness.max_versions=8,generator.quota_window_steps=8"]
+        args.lever = ["generator.quota_window_steps=3", "staleness.max_versions=8"]
     if args.quick:
         args.generators, args.measure_s, args.warmup_s = [4, 64], 12.0, 5.0
         args.capacity_generators, args.lever = 64, args.lever[:1]
