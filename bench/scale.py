@@ -23,13 +23,13 @@ seed, the order alternating:
 * ``sync``: ``staleness.max_versions: 0``, ``trainer.publish_busy: wait`` (each batch from the latest weights);
 * ``async``: ``staleness.max_versions: 4`` (the default bound), ``publish_busy: skip``.
 
-Each run measures a window after a warm-up (32 s longer where a generator's quota share floors to no group:
-with 256 generators and 64 groups per batch each generator's share is a quarter of a group per step, so at first
-none may take a prompt until the quota's liveness guard grants one, ``producers/flow.py``; the run reports
-``quota_floor_stall``): trained tokens per simulated second, trainer busy fraction, the
-staleness of every trained token (a histogram), episodes per real second offered and consumed, CPU seconds of
-every process (broker, NATS, buffers, trainer, generator processes), buffer and broker CPU per episode; then the
-audit reconciles produced = batched + dropped + pending, nothing lost or trained twice.
+Each run measures a window after a warm-up (32 s longer where every generator's quota floors to no group and only
+the quota's liveness guard lets prompts through; the quota's phases make that rare: with 256 generators and 64
+groups per batch each takes a quarter of a group per step, one group every four steps at staggered steps,
+``producers/flow.py``; the run reports ``quota_floor_stall``): trained tokens per simulated second, trainer busy
+fraction, the staleness of every trained token (a histogram), episodes per real second offered and consumed, CPU
+seconds of every process (broker, NATS, buffers, trainer, generator processes), buffer and broker CPU per episode;
+then the audit reconciles produced = batched + dropped + pending, nothing lost or trained twice.
 
 Buffer capacity: ``unbounded`` runs (``staleness.max_versions: -1``: no quota, every generator at its full rate;
 a trainer that takes no time) of ``--capacity-generators`` generators at ``--capacity-time-scale``, with one and
