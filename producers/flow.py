@@ -35,7 +35,9 @@ Liveness guard: if the buffer drops groups for another reason (stale, overlong, 
 trainer may need more groups than the quota lets through and would wait forever; so when the quota blocked intake
 for ``stall_s()`` with nothing in flight and no new version, ``grant()`` adds one more step's worth. ``stall_s()``
 is the configured ``backpressure_stall_s``, or, when that is 0, three times the mean interval between the last
-published versions (at least 2 s; 30 s before two versions were seen, while the trainer may still be loading).
+published versions, times ``1 / groups_per_step`` when the share is under one group (a generator with a quarter
+group a step waits four steps between its groups by design), at least 2 s; 30 s before two versions were seen,
+while the trainer may still be loading.
 """
 
 from __future__ import annotations
@@ -199,7 +201,8 @@ class Backpressure:
         seen = list(self._seen_at)
         if len(seen) < 2:
             return 30.0
-        return max(2.0, 3.0 * (seen[-1] - seen[0]) / (len(seen) - 1))
+        steps = 1.0 / self.groups_per_step if 0 < self.groups_per_step < 1 else 1.0  # between this one's groups
+        return max(2.0, 3.0 * steps * (seen[-1] - seen[0]) / (len(seen) - 1))
 
     def reference(self) -> int | None:
         """The version the weights are compared with: the trainer's own when its progress says it is newer than

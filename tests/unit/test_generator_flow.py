@@ -203,6 +203,10 @@ def test_the_liveness_guard_scales_with_the_interval_between_versions():
     fast.published(0, now=0.0)
     fast.published(1, now=0.1)
     assert fast.stall_s() == 2.0  # at least 2 s
+    quarter = Backpressure(max_policy_lag=1, groups_per_step=0.25)
+    for i in range(4):
+        quarter.published(i, now=100.0 + 4.0 * i)
+    assert quarter.stall_s() == 48.0  # a quarter group a step: four steps between its groups by design
 
 
 def test_build_episodes_ids_versions_and_lengths():
