@@ -128,8 +128,8 @@ GOLDEN = (math.sqrt(5) - 1) / 2  # the Weyl sequence i * GOLDEN mod 1 spreads an
 def quota_phase(generator_id: str) -> float:
     """The generator's offset in [0, 1) of its fractional quota (module docstring). An id ending in an index
     (``generator-3``, as ``up`` and the deploy examples name them) takes ``frac(i * GOLDEN)``: for generators
-    0..N-1 the sum of ``floor(x + phase)`` stays within one of ``N * x`` for every ``x``, and generator 0 has phase
-    0 (a lone generator's quota is the plain floor). Any other id takes a phase from its CRC32 (even on average)."""
+    0..N-1 the sum of ``floor(x + phase)`` stays within one of ``N * x`` (checked for N up to 1,000), and generator 0
+    has phase 0 (a lone generator's quota is the plain floor). Any other id takes a phase from its CRC32 (even on average)."""
     index = re.search(r"(\d+)$", generator_id)
     if index:
         return (int(index.group(1)) * GOLDEN) % 1.0
