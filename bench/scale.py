@@ -23,13 +23,13 @@ seed, the order alternating:
 * ``sync``: ``staleness.max_versions: 0``, ``trainer.publish_busy: wait`` (each batch from the latest weights);
 * ``async``: ``staleness.max_versions: 4`` (the default bound), ``publish_busy: skip``.
 
-Each run measures a window after a warm-up (32 s longer where a generator's quota share floors to no group:
-with 256 generators and 64 groups per batch each generator's share is a quarter of a group per step, so at first
-none may take a prompt until the quota's liveness guard grants one, ``producers/flow.py``; the run reports
-``quota_floor_stall``): trained tokens per simulated second, trainer busy fraction, the
-staleness of every trained token (a histogram), episodes per real second offered and consumed, CPU seconds of
-every process (broker, NATS, buffers, trainer, generator processes), buffer and broker CPU per episode; then the
-audit reconciles produced = batched + dropped + pending, nothing lost or trained twice.
+Each run measures a window after a warm-up (32 s longer where every generator's quota floors to no group and only
+the quota's liveness guard lets prompts through; the quota's phases make that rare: with 256 generators and 64
+groups per batch each takes a quarter of a group per step, one group every four steps at staggered steps,
+``producers/flow.py``; the run reports ``quota_floor_stall``): trained tokens per simulated second, trainer busy
+fraction, the staleness of every trained token (a histogram), episodes per real second offered and consumed, CPU
+seconds of every process (broker, NATS, buffers, trainer, generator processes), buffer and broker CPU per episode;
+then the audit reconciles produced = batched + dropped + pending, nothing lost or trained twice.
 
 Buffer capacity: ``unbounded`` runs (``staleness.max_versions: -1``: no quota, every generator at its full rate;
 a trainer that takes no time) of ``--capacity-generators`` generators at ``--capacity-time-scale``, with one and
@@ -165,8 +165,8 @@ def main() -> None:
     parser.add_argument("--capacity-time-scale", type=float, default=40.0)
     parser.add_argument("--lever", action="append", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
                         help="an extra async run at 64 generators with these overrides (repeatable); default: "
-                             "the quota window at the staleness bound's limit, (S - G) x P + 1: "
-                             "generator.quota_window_steps=4 (S=4), and S=8 with a window of 8")
+                             "the quota window one step narrower than the derived (S - G) x P + 1, "
+                             "generator.quota_window_steps=3 (S=4), and S=8 (a derived window of 8)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", action="append", default=[], metavar="KEY=VALUE",
                         help="a FleetModel field (bench/sim/model.py), e.g. length_cap=8192")
@@ -174,7 +174,7 @@ def main() -> None:
                         help="a run-config override for every run, e.g. buffer.groups_per_batch=32")
     args = parser.parse_args()
     if args.lever is None:
-        args.lever = ["generator.quota_window_steps=4", "staleness.max_versions=8,generator.quota_window_steps=8"]
+        args.lever = ["generator.quota_window_steps=3", "staleness.max_versions=8"]
     if args.quick:
         args.generators, args.measure_s, args.warmup_s = [4, 64], 12.0, 5.0
         args.capacity_generators, args.lever = 64, args.lever[:1]

@@ -320,7 +320,10 @@ class BufferState:
         for p in gone:
             part = self.parts.pop(p, None)
             if part is not None:
-                for members in part.ready_held.values():
+                for gid, members in part.ready_held.items():
+                    # scored but never published: undecided, so its replay must form the group again, not be
+                    # dropped as ``late``
+                    self._decided_groups.pop(gid, None)
                     for h in members:
                         self._held_ids.discard(h.episode.episode_id)
 
@@ -442,7 +445,9 @@ class BufferState:
         return {
             "version": 1,
             "decided": list(self._decided),
-            "decided_groups": dict(self._decided_groups),
+            # a group scored but waiting for a batch is not decided: its episodes come back by replay
+            "decided_groups": {g: o for g, o in self._decided_groups.items()
+                               if not any(g in part.ready_held for part in self.parts.values())},
             "positions": {str(p): t.next_offset for p, t in self.parts.items()},
             "counters": dict(self.counters),
         }

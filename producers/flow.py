@@ -14,13 +14,18 @@ buffer deduplicates what was produced twice).
   publication is still in flight): what older weights sample would be too stale to train. It resumes when the
   weight receiver loads a newer version. Before any version is known this never throttles.
 * and, when ``groups_per_step > 0`` (this generator's share of the groups the trainer trains per step),
-  ``taken < floor((latest_step - start_step + window_steps) * groups_per_step) + granted``: ``taken`` counts the
-  prompts this generator took, ``latest_step`` is the trainer's step (its progress after every step, or the step
-  of the newest PolicyVersion) and ``start_step``
-  the one of the version in the store when the generator started (0 in a new run). So it holds at most
-  ``window_steps`` trainer steps of groups beyond what the trainer has trained and published (AReaL's bounded
-  off-policyness, counted in steps so a version that covers several steps is counted right), also before the
-  first version: a generator never floods a run whose trainer is still starting.
+  ``taken < floor((latest_step - start_step + window_steps) * groups_per_step + phase) + granted``: ``taken``
+  counts the prompts this generator took, ``latest_step`` is the trainer's step (its progress after every step, or
+  the step of the newest PolicyVersion) and ``start_step`` the one of the version in the store when the generator
+  started (0 in a new run). So it holds at most ``window_steps`` trainer steps of groups beyond what the trainer
+  has trained and published (AReaL's bounded off-policyness, counted in steps so a version that covers several
+  steps is counted right), also before the first version: a generator never floods a run whose trainer is still
+  starting.
+* The share may be fractional: with more generators than groups per batch (256 generators, 64 groups a batch:
+  a quarter group a step each) a generator takes one group every four steps. ``phase`` (``quota_phase``, in
+  [0, 1), from the generator's id) staggers when: the generators' phases are spread evenly, so the fleet's quotas
+  add up to the window's groups within one group at every step, instead of every generator flooring to no group
+  at all (only the liveness guard then let any through) or all of them taking their group at the same step.
 * A group the buffer will drop for zero variance (every reward equal) trains nothing; with
   ``count_zero_variance=False`` the generator gives its quota back (``scored()``) once it has scored it, and a group
   the buffer dropped (stale, fenced, incomplete: ``producers/refunds.py``) gives it back when the drop is read
@@ -30,12 +35,16 @@ Liveness guard: if the buffer drops groups for another reason (stale, overlong, 
 trainer may need more groups than the quota lets through and would wait forever; so when the quota blocked intake
 for ``stall_s()`` with nothing in flight and no new version, ``grant()`` adds one more step's worth. ``stall_s()``
 is the configured ``backpressure_stall_s``, or, when that is 0, three times the mean interval between the last
-published versions (at least 2 s; 30 s before two versions were seen, while the trainer may still be loading).
+published versions, times ``1 / groups_per_step`` when the share is under one group (a generator with a quarter
+group a step waits four steps between its groups by design), at least 2 s; 30 s before two versions were seen,
+while the trainer may still be loading.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -113,6 +122,20 @@ class OffsetTracker:
         return set(part.pending) if part else set()
 
 
+GOLDEN = (math.sqrt(5) - 1) / 2  # the Weyl sequence i * GOLDEN mod 1 spreads any run of indices evenly over [0, 1)
+
+
+def quota_phase(generator_id: str) -> float:
+    """The generator's offset in [0, 1) of its fractional quota (module docstring). An id ending in an index
+    (``generator-3``, as ``up`` and the deploy examples name them) takes ``frac(i * GOLDEN)``: for generators
+    0..N-1 the sum of ``floor(x + phase)`` stays within one of ``N * x`` (checked for N up to 1,000), and generator 0
+    has phase 0 (a lone generator's quota is the plain floor). Any other id takes a phase from its CRC32 (even on average)."""
+    index = re.search(r"(\d+)$", generator_id)
+    if index:
+        return (int(index.group(1)) * GOLDEN) % 1.0
+    return (zlib.crc32(generator_id.encode()) & 0xFFFF) / 0x10000
+
+
 @dataclass(slots=True)
 class Backpressure:
     """See the module docstring. ``open`` says whether the generator may take another prompt now."""
@@ -122,6 +145,7 @@ class Backpressure:
     window_steps: int = 2
     stall_s_config: float = 0.0  # 0 = adaptive (module docstring)
     count_zero_variance: bool = True
+    phase: float = 0.0  # in [0, 1): where this generator's fractional quota steps up (``quota_phase``)
     start_step: int = 0  # the trainer step of the version in the store when this generator started
     latest: int | None = None  # newest published version, None before the first
     latest_step: int = 0  # its trainer step
@@ -168,7 +192,7 @@ class Backpressure:
         if self.groups_per_step <= 0:
             return None
         steps = self.latest_step - self.start_step + self.window_steps
-        return math.floor(steps * self.groups_per_step + 1e-9) + self.granted
+        return math.floor(steps * self.groups_per_step + self.phase + 1e-9) + self.granted
 
     def stall_s(self) -> float:
         """How long the quota may block intake, with nothing in flight, before ``grant()`` (module docstring)."""
@@ -177,7 +201,8 @@ class Backpressure:
         seen = list(self._seen_at)
         if len(seen) < 2:
             return 30.0
-        return max(2.0, 3.0 * (seen[-1] - seen[0]) / (len(seen) - 1))
+        steps = 1.0 / self.groups_per_step if 0 < self.groups_per_step < 1 else 1.0  # between this one's groups
+        return max(2.0, 3.0 * steps * (seen[-1] - seen[0]) / (len(seen) - 1))
 
     def reference(self) -> int | None:
         """The version the weights are compared with: the trainer's own when its progress says it is newer than

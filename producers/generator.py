@@ -46,7 +46,7 @@ from envs.routing import ServiceEnvRouter
 from models.tiny_model import ensure_model
 from producers.config import FeederConfig, GeneratorConfig
 from producers.engine import Engine, Sampling
-from producers.flow import Backpressure, OffsetTracker
+from producers.flow import Backpressure, OffsetTracker, quota_phase
 from producers.intake import Intake, Rebalance
 from producers.multiturn import MultiTurnPipeline, TurnRenderer
 from producers.pipeline import PromptPipeline
@@ -95,7 +95,8 @@ class GeneratorRole(Service):
                                  top_k=cfg.top_k)
         self.backpressure = Backpressure(cfg.max_policy_lag, cfg.groups_per_step, cfg.quota_window_steps,
                                          stall_s_config=cfg.backpressure_stall_s,
-                                         count_zero_variance=cfg.quota_counts_zero_variance)
+                                         count_zero_variance=cfg.quota_counts_zero_variance,
+                                         phase=quota_phase(self.generator_id))
         self.offsets = OffsetTracker()  # the intake's: which prompt offsets may be committed
         self.rewards: RewardSet | None = None
         self.producer: Producer | None = None

@@ -36,6 +36,7 @@ from typing import Any
 import orjson
 
 from bench.sim.model import FleetModel
+from producers.flow import quota_phase
 from streamforge.audit import run_audit
 from streamforge.brokers import EmbeddedBrokers
 from streamforge.config import dump_config, load_config
@@ -183,11 +184,12 @@ async def run_fleet(run: FleetRun, workdir: Path) -> dict[str, Any]:
         roles = {"broker": brokers._procs["tansu"].pid, "nats": brokers._procs["nats"].pid,
                  "trainer": trainer.pid, **{f"buffer{i}": b.pid for i, b in enumerate(buffers)},
                  **{f"gen{i}": g.pid for i, g in enumerate(gens)}}
-        # a generator whose share of a step floors to no group at all (groups_per_batch < generators, a small
-        # window) takes nothing until the quota's liveness guard grants it one (30 s before two versions were seen,
-        # producers/flow.py): the window starts after that
+        # a fleet whose quotas all floor to no group at all (a share of a step too small for any generator's phase,
+        # producers/flow.py) takes nothing until the quota's liveness guard grants one (30 s before two versions
+        # were seen): the window starts after that
         g = cfg.generator
-        stalls = g.groups_per_step > 0 and math.floor(g.quota_window_steps * g.groups_per_step + 1e-9) == 0
+        stalls = g.groups_per_step > 0 and all(
+            math.floor(g.quota_window_steps * g.groups_per_step + quota_phase(i) + 1e-9) == 0 for i in ids)
         await asyncio.sleep(run.warmup_s + (32.0 if stalls else 0.0))
 
         async def snapshot() -> tuple[float, dict[str, float], int, int, int]:

@@ -28,7 +28,7 @@ import orjson
 
 from bench.sim.model import FleetModel
 from producers.engine import Completion
-from producers.flow import Backpressure
+from producers.flow import Backpressure, quota_phase
 from producers.pipeline import build_episodes
 from producers.refunds import DropRefunds
 from streamforge.config import load_config
@@ -58,7 +58,7 @@ class SimGenerator:
         g = fleet.cfg.generator
         self.bp = Backpressure(max_policy_lag=g.max_policy_lag, groups_per_step=g.groups_per_step,
                                window_steps=g.quota_window_steps, stall_s_config=g.backpressure_stall_s,
-                               count_zero_variance=g.quota_counts_zero_variance)
+                               count_zero_variance=g.quota_counts_zero_variance, phase=quota_phase(gen_id))
         self.rng = np.random.default_rng(seed)
         self.version = 0  # the weights' policy version
         self.target = 0  # the newest version announced

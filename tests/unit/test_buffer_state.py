@@ -157,6 +157,19 @@ def test_revoke_forgets_partition():
     assert s.add(ep("a", 0), partition=0, offset=0, now=0) == "pending"  # the replay is not a duplicate
 
 
+def test_a_group_waiting_for_its_batch_is_batched_after_a_revoke_not_dropped_late():
+    """Scored but held back (the trainer is behind), then the partition is revoked: the replay from the committed
+    offset forms the group again and batches it; a state saved meanwhile does not count it as decided either."""
+    s = BufferState(cfg(groups_per_batch=1))
+    feed(s, [ep("a", 0), ep("a", 1)])
+    assert s.take_decisions(now=0, latest_version=0, max_batches=0) == [] and s.has_ready()
+    assert "a" not in s.state_dict()["decided_groups"]
+    s.revoke([0])
+    assert feed(s, [ep("a", 0), ep("a", 1)]) == ["pending", "complete"]
+    decisions = s.take_decisions(now=1, latest_version=0, max_batches=1)
+    assert [(d.kind, d.episode_ids) for d in decisions] == [("batch", ["a/0", "a/1"])]
+
+
 def test_state_dict_round_trip_keeps_decided_set():
     s = BufferState(cfg(groups_per_batch=1))
     feed(s, [ep("a", 0), ep("a", 1)])

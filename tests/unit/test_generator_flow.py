@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from producers.flow import Backpressure, OffsetTracker
+from producers.flow import Backpressure, OffsetTracker, quota_phase
 
 
 def test_commits_only_the_contiguous_completed_prefix():
@@ -127,6 +128,54 @@ def test_backpressure_rate_matches_the_trainer_over_many_steps():
     assert bp.taken == (48 + 2) * 3
 
 
+def fleet_quota(bps: list[Backpressure]) -> int:
+    return sum(bp.quota() or 0 for bp in bps)
+
+
+@pytest.mark.parametrize(("generators", "per_batch", "window"), [(256, 64, 4), (256, 64, 3), (100, 64, 1),
+                                                                 (3, 8, 4), (1000, 64, 2)])
+def test_a_fleet_of_fractional_shares_holds_the_windows_groups(generators: int, per_batch: int, window: int):
+    """More generators than groups per batch: each share is a fraction of a group per step, and the phases spread
+    the fleet's quotas so that together they hold the window's groups, within one, at every trainer step."""
+    bps = [Backpressure(max_policy_lag=1, groups_per_step=per_batch / generators, window_steps=window,
+                        phase=quota_phase(f"generator-{i}")) for i in range(generators)]
+    for step in range(40):
+        for bp in bps:
+            bp.published(step, step=step)
+        assert abs(fleet_quota(bps) - (step + window) * per_batch) <= 1, step
+    # without phases every quota floors alike, all at the same step: 256 generators at a quarter group each
+    # hold the window's groups at one step in four, and at the step before it a window three steps short
+    if generators == 256 and window == 4:
+        plain = [Backpressure(max_policy_lag=1, groups_per_step=0.25, window_steps=4) for _ in range(generators)]
+        for bp in plain:
+            bp.published(3, step=3)
+        assert fleet_quota(plain) == 256 and (3 + window) * per_batch == 448
+
+
+def test_a_quarter_group_a_step_is_one_group_every_four_steps():
+    bp = Backpressure(max_policy_lag=1, groups_per_step=0.25, window_steps=3, phase=quota_phase("generator-1"))
+    assert bp.phase == pytest.approx(0.618, abs=1e-3)
+    assert bp.quota() == 1 and bp.open(0)  # floor(3 * 0.25 + 0.618): its window holds one group already
+    bp.took()
+    takes = []
+    for step in range(1, 17):
+        bp.published(step, step=step)
+        if bp.open(step):
+            bp.took()
+            takes.append(step)
+    assert takes == [3, 7, 11, 15]  # one every four steps, at this generator's own phase
+    assert Backpressure(max_policy_lag=1, groups_per_step=0.25, window_steps=3).quota() == 0  # phase 0: none yet
+
+
+def test_quota_phases_come_from_the_generators_index():
+    assert quota_phase("generator-0") == 0.0  # a lone generator's quota is the plain floor
+    assert quota_phase("sim7") == quota_phase("generator-7")
+    phases = sorted(quota_phase(f"generator-{i}") for i in range(64))
+    assert max(b - a for a, b in zip([0.0, *phases], [*phases, 1.0], strict=True)) < 2.5 / 64  # evenly spread
+    other = quota_phase("host-a.example")  # no index: a phase from the id's hash, stable across processes
+    assert 0.0 <= other < 1.0 and other == quota_phase("host-a.example")
+
+
 def test_zero_variance_groups_give_their_quota_back():
     """With the buffer filtering zero-variance groups, such a group trains nothing: it uses no quota."""
     bp = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1, count_zero_variance=False)
@@ -154,6 +203,10 @@ def test_the_liveness_guard_scales_with_the_interval_between_versions():
     fast.published(0, now=0.0)
     fast.published(1, now=0.1)
     assert fast.stall_s() == 2.0  # at least 2 s
+    quarter = Backpressure(max_policy_lag=1, groups_per_step=0.25)
+    for i in range(4):
+        quarter.published(i, now=100.0 + 4.0 * i)
+    assert quarter.stall_s() == 48.0  # a quarter group a step: four steps between its groups by design
 
 
 def test_build_episodes_ids_versions_and_lengths():

@@ -18,13 +18,14 @@ def load(*overrides: str, path: Path | None = None) -> RunConfig:
 
 
 @pytest.mark.parametrize(("s", "ahead", "gen_lag", "window"), [(0, 1, 0, 1), (1, 1, 0, 2), (2, 1, 1, 2),
-                                                                (3, 2, 1, 3), (5, 2, 1, 3)])
+                                                                (3, 2, 1, 3), (4, 2, 1, 4), (5, 2, 1, 5)])
 def test_bounds_derive_from_the_one_setting(s: int, ahead: int, gen_lag: int, window: int) -> None:
     c = load(f"--staleness.max_versions={s}")
     assert c.buffer.max_batches_ahead == ahead and c.buffer.max_policy_lag == s
     assert c.generator.max_policy_lag == gen_lag and c.generator.quota_window_steps == window
-    # the quota's bound: a group is trained at most window - 1 versions after it was taken, by weights gen_lag old
-    assert (window - 1) + gen_lag <= s
+    # the quota's bound: a group is trained at most window - 1 versions after it was taken, by weights gen_lag old;
+    # the window is the widest that keeps it (not capped at ahead + 1: it covers the groups still generating)
+    assert (window - 1) + gen_lag == s
     # a batch cut behind `ahead` queued ones, of episodes from weights gen_lag old, is still trainable
     assert ahead + gen_lag <= max(s, 1)
 
@@ -32,7 +33,8 @@ def test_bounds_derive_from_the_one_setting(s: int, ahead: int, gen_lag: int, wi
 def test_quota_is_each_generators_share_of_a_steps_groups() -> None:
     c = load("--buffer.groups_per_batch=8", "--trainer.publish_every=2", "--up.generators=3")
     assert c.generator.groups_per_step == pytest.approx(8 / 3)
-    assert c.generator.quota_window_steps == 3  # min((S - G) * P + 1, A + 1) steps
+    # (S - G) * P + 1 steps: with a version every P steps, a group taken W steps ahead is (W - 1) / P versions old
+    assert c.generator.quota_window_steps == 7
     assert load("--buffer.token_budget=4096").generator.groups_per_step == 0  # groups per batch unknown
     assert not load().generator.quota_counts_zero_variance  # the buffer filters them: they use no quota
     assert load("--buffer.filter_zero_variance=false").generator.quota_counts_zero_variance
@@ -49,7 +51,7 @@ def test_explicit_settings_win_over_derived_ones() -> None:
 def test_the_demo_derives_its_bounds() -> None:
     c = load(path=ROOT / "configs" / "demo.yaml")
     assert (c.buffer.max_batches_ahead, c.buffer.max_policy_lag, c.generator.max_policy_lag) == (2, 4, 1)
-    assert c.generator.groups_per_step == 8 and c.generator.quota_window_steps == 3
+    assert c.generator.groups_per_step == 8 and c.generator.quota_window_steps == 4
 
 
 def test_a_generator_lag_beyond_the_buffers_names_both_keys() -> None:
