@@ -29,6 +29,8 @@ Delivery and crash safety:
   ``consumers/ledger.py``; dead-lettered as ``already_trained``), so no episode is trained twice whatever a
   zombie publishes. Fencing the zombie before it publishes is not possible here: without transactions (Tansu has
   none) a generation check and the publish cannot be made atomic.
+* A record never received while later ones were (an offset gap) would be committed past: the buffer seeks back to
+  the gap and reads it again (``buffer/gaps.py``), and goes on past it only after ``GapGuard.wait_s`` (counted).
 * On a rebalance the revoked partitions' in-flight publishes finish (the revoke callback waits for the loop's
   lock) before their state is dropped, so the new owner's recovery scan sees them.
 
@@ -61,6 +63,7 @@ from aiokafka.abc import ConsumerRebalanceListener
 from opentelemetry import trace
 
 from buffer.config import BufferConfig
+from buffer.gaps import GapGuard
 from buffer.pace import TrainerPace
 from buffer.policies import Reason
 from buffer.recovery import committed_since_ms, highwaters, read_decided
@@ -119,6 +122,7 @@ class BufferRole(Service):
         self._batch_hw: dict[int, int] = {}  # batches-topic high-water marks known from our acks
         self.counters: dict[str, int] = {"dead_lettered": 0, "pauses": 0, "commits": 0, "commit_failures": 0,
                                          "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0}
+        self.gaps = GapGuard(counters=self.counters)  # offsets never received are read again (buffer/gaps.py)
         self._lock = asyncio.Lock()  # one loop iteration, or one rebalance step, at a time
         self._epoch = 0  # bumped on every revoke: records fetched before it are discarded
         self._committed: dict[int, int] = {}
@@ -292,10 +296,24 @@ class BufferRole(Service):
             return
         assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.names.episodes}
         now = time.monotonic()
+        rewound: set[int] = set()
         for rec in records:
             if epoch != self._epoch or rec.partition not in assigned:
                 self.counters["discarded_after_revoke"] += 1  # refetched by whoever owns it now
                 continue
+            if rec.partition in rewound:
+                continue  # fetched again from the gap
+            part = self.state.parts.get(rec.partition)
+            expected = part.next_offset if part is not None and part.next_offset > 0 else None
+            verdict = self.gaps.check(rec.partition, rec.offset, expected, now)
+            if verdict == "seek":
+                assert expected is not None
+                self.consumer.seek(TopicPartition(self.names.episodes, rec.partition), expected)
+                rewound.add(rec.partition)
+                continue
+            if verdict == "skip":
+                log.warning("buffer %s: episodes partition %d: offsets %d-%d never arrived in %.0f s; going on past "
+                            "them", self.buffer_id, rec.partition, expected, rec.offset - 1, self.gaps.wait_s)
             if rec.error is not None or rec.value is None:
                 await self.dead.send(rec)
                 self.counters["dead_lettered"] += 1
@@ -427,6 +445,7 @@ class BufferRole(Service):
             # the committed offset, so they are fetched again by whoever owns their partition then
             self._epoch += 1
             self.state.revoke(parts)
+            self.gaps.forget(set(parts))
             for p in parts:
                 self._committed.pop(p, None)
             self.counters["rebalances"] += 1
