@@ -11,7 +11,9 @@ role and the env replicas up starts (up.envs: 2).
 * both: every metrics row carries the env counters and the audit reconciles (nothing lost, nothing trained twice).
 
 Each run is bounded by a reward target between the start and the config's own target, and by max_steps and a wall
-budget; about 3 minutes each on the shared 2-core machine.
+budget; about 3 minutes each on the shared 2-core machine under load (measured 168 s and 189 s). The calculator run
+samples at temperature 1.0, not the config's 0.7: its first steps then score lower (about 0.36 rather than 0.5), so
+a rise from them shows within the test's bound; that the config reaches its own target is a bench/RESULTS.md run.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def test_up_blackjack_beats_the_random_policy(tmp_path: Path) -> None:
 def test_up_calculator_learns_the_tool_through_a_killed_replica(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = start_up("configs/calculator.yaml", run_dir, "--trainer.max_steps=250", "--trainer.reward_target=0.55",
-                    "--up.restart=true", "--up.max_wall_s=360")
+                    "--generator.temperature=1.0", "--up.restart=true", "--up.max_wall_s=360")
     metrics = run_dir / "metrics.jsonl"
     killed = None
     deadline = time.monotonic() + 300
