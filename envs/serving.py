@@ -192,8 +192,14 @@ class SessionCounter:
                     session_log.info("replica %s session %d %s episode=%s", self.replica_id, session, kind, episode)
             return message
 
+        from starlette.websockets import WebSocketDisconnect
+
         try:
             await self.app(scope, counted_receive, send)
+        except WebSocketDisconnect:
+            # the client closed first: OpenEnv's endpoint then closes a socket that is gone and raises; nothing was
+            # lost (the session ended), and uvicorn would log a traceback for every episode
+            pass
         finally:
             self.live -= 1
             if self.live == 0:

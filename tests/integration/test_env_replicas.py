@@ -90,8 +90,11 @@ async def test_sessions_go_to_the_least_loaded_replica_and_every_step_stays_on_i
     assert loads == dict(placed), (loads, placed)
     for s in sessions:
         await s.close()
+    await asyncio.sleep(0.5)  # the servers' side of the closes
     # every reset and step of an episode is in the log of the replica its session was on, and in no other
     logs = {rid: replicas.log(rid) for rid in replicas.procs}
+    # a client's close racing the server's is no error (envs/serving.py): no traceback per session
+    assert not any("Exception in ASGI application" in text for text in logs.values())
     for i, s in enumerate(sessions):
         for rid, text in logs.items():
             lines = re.findall(rf"replica {rid} session \d+ (\w+) episode=sticky-{i}\n", text)
