@@ -52,6 +52,16 @@ async def _engine_prompt_logprobs(engine, ids: list[int], tag: str) -> torch.Ten
     return torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
 
 
+async def _teardown(follow, nc_g, nc_t, engine) -> None:
+    """The receiver's loop cancelled, both NATS connections closed, the engine stopped."""
+    if follow is not None:
+        follow.cancel()
+        await asyncio.gather(follow, return_exceptions=True)
+    await nc_g.close()
+    await nc_t.close()
+    await engine.stop()
+
+
 async def _wait_version(engine, version: int, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while engine.version < version:
@@ -167,12 +177,7 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
         assert receiver.counters["load_failures"] == 0
         await receiver.stop()
     finally:
-        if follow is not None:
-            follow.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
-        await nc_g.close()
-        await nc_t.close()
-        await engine.stop()
+        await _teardown(follow, nc_g, nc_t, engine)
 
 
 async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
@@ -215,9 +220,4 @@ async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
         assert receiver.counters["load_failures"] == 0
         await receiver.stop()
     finally:
-        if follow is not None:
-            follow.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
-        await nc_g.close()
-        await nc_t.close()
-        await engine.stop()
+        await _teardown(follow, nc_g, nc_t, engine)
