@@ -33,6 +33,10 @@ class GeneratorConfig:
     reward_weights: list[float] = field(default_factory=list)  # empty = all 1.0
     reward_timeout_s: float = 10.0  # a reward slower than this dead-letters its Episode
     kv_cache_gib: float = 1.0  # vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE)
+    # vLLM's scheduler: most sequences and tokens in one step (0 = vLLM's offline `LLM` defaults for the platform,
+    # on CPU 256 and 4096; its server defaults, 128 and 2048, would run a 32 x 8 burst of samples in two waves)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
     # the engine's weights and compute: bfloat16 generates faster on a CPU with avx512_bf16 (bench/bf16.py) and
     # receives the trainer's float32 pushes cast; its logprobs are the behaviour policy's, so the loss's importance
     # ratio against the trainer's float32 logprobs carries the precision mismatch (measured by bench/bf16.py)
@@ -71,6 +75,9 @@ class GeneratorConfig:
             raise ConfigError("generator.temperature", "must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ConfigError("generator.top_p", "must be in (0, 1]")
+        for key in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"generator.{key}", "must be >= 0 (0 = vLLM's default)")
         if self.max_policy_lag < 0:
             raise ConfigError("generator.max_policy_lag", "must be >= 0")
         if not self.rewards:

@@ -1,7 +1,8 @@
 """The generator's inference engine: vLLM's ``AsyncLLM`` with per-token policy versions and a swap hook.
 
 ``Engine(model_path, ...)`` owns one ``AsyncLLM`` (``dtype``, float32 by default; eager; on CPU its KV cache is
-``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts). ``extra_args`` are more
+``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts; ``max_num_seqs`` and
+``max_num_batched_tokens`` bound a scheduler step, 0 = vLLM's offline ``LLM`` defaults). ``extra_args`` are more
 engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
 ``weight_transfer_config``).
 
@@ -65,8 +66,8 @@ class Engine:
 
     def __init__(self, model_path: str, *, version: int = 0, max_model_len: int = 256, seed: int = 0,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
-                 logprobs_mode: str = "processed_logprobs", dtype: str = "float32",
-                 extra_args: dict[str, Any] | None = None) -> None:
+                 logprobs_mode: str = "processed_logprobs", dtype: str = "float32", max_num_seqs: int = 0,
+                 max_num_batched_tokens: int = 0, extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
         self.version = version
         self.max_model_len = max_model_len
@@ -76,6 +77,8 @@ class Engine:
         self.enforce_eager = enforce_eager
         self.logprobs_mode = logprobs_mode
         self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.extra_args = dict(extra_args or {})
         self.llm: Any = None
         self._swap_lock = asyncio.Lock()
@@ -92,6 +95,7 @@ class Engine:
         if self.llm is not None or self._stopped:
             return
         from vllm import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(self.kv_cache_gib))}")
@@ -104,10 +108,14 @@ class Engine:
             gpu_memory_utilization=self.gpu_memory_utilization,
             logprobs_mode=self.logprobs_mode,
             disable_log_stats=True,
+            max_num_seqs=self.max_num_seqs or None,
+            max_num_batched_tokens=self.max_num_batched_tokens or None,
             **self.extra_args,
         )
         t0 = time.monotonic()
-        self.llm = AsyncLLM.from_engine_args(args)
+        # unset batch limits take vLLM's offline (``LLM`` class) defaults for the platform, not the smaller
+        # server ones: a generator is a throughput client (on CPU 256 sequences, not 128, and 4096 tokens a step)
+        self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         log.info("vLLM engine for %s ready in %.1f s", self.model_path, time.monotonic() - t0)
 
     async def stop(self) -> None:

@@ -144,7 +144,8 @@ class EvaluatorRole(Service):
                                  cache_dir=ctx.model.cache_dir)
             self.engine = Engine(str(model), max_model_len=ctx.model.max_seq_len, seed=cfg.seed,
                                  kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                 enforce_eager=gen.enforce_eager)
+                                 enforce_eager=gen.enforce_eager, max_num_seqs=gen.max_num_seqs,
+                                 max_num_batched_tokens=gen.max_num_batched_tokens)
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU
         engine = self.engine
         checker = PromptChecker(engine.tokenizer, max_model_len=getattr(engine, "max_model_len", ctx.model.max_seq_len),

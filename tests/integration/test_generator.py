@@ -515,3 +515,26 @@ async def test_quota_keeps_the_generator_within_its_window_of_trainer_steps(run_
     finally:
         engine.version = 0  # "none" versions only relabel the same weights
         await nc.close()
+
+
+async def test_engine_takes_the_offline_batch_limits_and_a_burst_runs_in_one_wave(engine):
+    """Unset ``generator.max_num_seqs`` / ``max_num_batched_tokens`` take vLLM's offline ``LLM`` defaults (on CPU
+    256 and 4096), not the server's 128: a 32-prompt x 8-sample burst is admitted at once, not in two waves."""
+    from producers.engine import Sampling
+
+    sched = engine.llm.vllm_config.scheduler_config
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (256, 4096)
+    prompt = engine.tokenizer("reverse abc:")["input_ids"]
+    t0 = time.monotonic()
+
+    async def one() -> list[tuple[float, float, int]]:
+        start = time.monotonic() - t0
+        done = await engine.generate(prompt, 8, Sampling(max_tokens=24))
+        return [(start + c.first_token_s, start + c.generate_s, len(c.token_ids)) for c in done]
+
+    samples = [s for group in await asyncio.gather(*(one() for _ in range(32))) for s in group]
+    assert len(samples) == 256 and all(n for _, _, n in samples)
+    # in two waves, the second wave's first tokens come only as the first wave's samples finish
+    full = [end for _, end, n in samples if n == 24]
+    assert len(full) >= 32, f"only {len(full)} samples ran to max_tokens"
+    assert max(first for first, _, _ in samples) < min(full), sorted(samples)[-3:]

@@ -40,6 +40,8 @@ def test_yaml_env_and_overrides_compose(tmp_path: Path) -> None:
         (["--kafka.fetch_max_wait_ms=0"], "kafka.fetch_max_wait_ms"),
         (["--kafka.bootstrap=nohostport"], "kafka.bootstrap"),
         (["--generator.prompt_source=web"], "generator.prompt_source"),
+        (["--generator.max_num_seqs=-1"], "generator.max_num_seqs"),
+        (["--generator.max_num_batched_tokens=-8"], "generator.max_num_batched_tokens"),
         (["trainer.lr"], "trainer.lr"),
         (["--topics.retention_ms.batch=-1"], "topics.retention_ms.batch"),
         (["--topics.retention_bytes.episodes=0"], "topics.retention_bytes.episodes"),
