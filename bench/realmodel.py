@@ -13,7 +13,10 @@ samples per prompt, max new tokens, learning rate, KL coefficient, loss and seed
   tried first when the installed TRL has it.
 * streamforge sync: ``streamforge up`` with ``staleness.max_versions: 0`` and ``trainer.publish_busy: wait``
   (generators wait for each version; at most one batch ahead).
-* streamforge async: ``streamforge up`` on the config as it is.
+* streamforge async: ``streamforge up`` on the config as it is (``--async-staleness S`` sets its
+  ``staleness.max_versions``).
+
+Overrides after ``--`` go to both streamforge modes; sync's own two settings come after them and win.
 
 Each system runs in its own process with a wall budget (``--budget-s``). Reward per step is the mean over every
 sampled completion (TRL's ``reward``, streamforge's ``reward_mean``). Time counts two ways, to the step whose
@@ -194,9 +197,11 @@ def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str,
     cmd = [sys.executable, "-m", "streamforge", "up", "--config", args.config, "--run-dir", str(run_dir),
            f"--trainer.reward_target={args.target}", f"--trainer.reward_window={args.window}",
            "--trainer.max_steps=100000", "--trainer.checkpoint_every=100000", f"--up.max_wall_s={args.budget_s}"]
+    cmd += args.sf_args
     if mode == "sync":
         cmd += ["--staleness.max_versions=0", "--trainer.publish_busy=wait"]
-    cmd += args.sf_args
+    elif args.async_staleness >= 0:
+        cmd += [f"--staleness.max_versions={args.async_staleness}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMFORGE_")}
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -239,6 +244,8 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=1800.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--trl-configs", default="async,vllm-colocate,transformers")
+    p.add_argument("--async-staleness", type=int, default=-1,
+                   help="staleness.max_versions of the async mode (-1 = the config's)")
     p.add_argument("--out", default="")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("sf_args", nargs="*", help="extra streamforge overrides (--section.key=value), after --")
