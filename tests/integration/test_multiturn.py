@@ -27,6 +27,7 @@ from consumers.losses import make_loss
 from consumers.model import load_policy
 from consumers.optim import build_optimizer
 from consumers.step import batch_inputs, rl_step
+from envs.routing import RemoteEnvSession
 from helpers.replicas import start_env_replica, stop
 from models.tiny_model import build_tiny_model, load_tokenizer
 from producers.engine import Engine
@@ -122,10 +123,23 @@ async def test_multiturn_episodes_from_real_replicas_train_with_their_mask(run_c
     assert np.isfinite(metrics["loss"]) and metrics["tokens"] == sum(int(e.token_mask.sum()) for e in group.episodes)
 
 
-async def test_a_replica_killed_mid_run_restarts_its_episodes_on_the_other(run_config, engine, model_dir):
+async def test_a_replica_killed_mid_run_restarts_its_episodes_on_the_other(run_config, engine, model_dir,
+                                                                          monkeypatch):
     cfg = configure(run_config, model_dir, prompts=8, group_size=4)
     procs, nc, directory = await replicas_up(cfg, 2)
     expected = {f"count-0-{i}/{j}" for i in range(8) for j in range(4)}
+    # count-a is killed as one of its sessions takes a step, so it dies with that session open (killing it at a
+    # moment chosen from outside can find all its sessions ended: then nothing restarts). The step itself is real.
+    kill: dict[str, float | bool] = {"armed": False, "at": 0.0}
+    real_step = RemoteEnvSession.step
+
+    async def step(session: RemoteEnvSession, action: str, **kw):
+        if kill["armed"] and not kill["at"] and session.replica_id == "count-a":
+            procs[0].send_signal(signal.SIGKILL)
+            kill["at"] = time.monotonic()
+        return await real_step(session, action, **kw)
+
+    monkeypatch.setattr(RemoteEnvSession, "step", step)
     try:
         role = build_role("generator", cfg, engine=engine)
         stop_event = asyncio.Event()
@@ -138,14 +152,15 @@ async def test_a_replica_killed_mid_run_restarts_its_episodes_on_the_other(run_c
 
         async with Tail(cfg, cfg.names.episodes, Episode) as tail:
             await tail.until(lambda rs: seen(rs) or len(rs) >= 4, 120, "the first episodes", task)
-            procs[0].send_signal(signal.SIGKILL)  # count-a dies with sessions open
-            killed_at = time.monotonic()
+            kill["armed"] = True
             records = await tail.until(seen, 180, "every episode", task)
         await stop_role(stop_event, task)
     finally:
         await directory.stop()
         await nc.close()
         stop(procs)
+    assert kill["at"], "no session stepped on count-a after the first episodes: it was never killed"
+    killed_at = float(kill["at"])
     ids = [r.value.episode_id for r in records]
     assert sorted(ids) == sorted(expected)  # nothing lost, nothing twice
     assert role.stats["dead_lettered"] == 0
