@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,15 @@ def test_wandb_offline_run_is_initialised_logged_and_finished(tmp_path: Path, mo
     m.close()
     logs = list((run_dir / "wandb").glob("offline-run-*/*.wandb"))  # the run's log, for `wandb sync` later
     assert len(logs) == 1, list((run_dir / "wandb").iterdir())
-    records = wandb_records(logs[0])
+    # wandb's own service process writes the log: under load its last records can land just after finish() returns
+    deadline = time.monotonic() + 30
+    while True:
+        records = wandb_records(logs[0])
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        assert time.monotonic() < deadline, f"no exit record in the run's log after 30 s: {kinds}"
+        time.sleep(0.2)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert (run.project, run.run_group, run.display_name) == ("sf-test", "myrun", "generator-0")
     assert any(u.key == "trainer" and "0.001" in u.value_json for u in run.config.update)
