@@ -6,14 +6,20 @@
 engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
 ``weight_transfer_config``).
 
-``generate(prompt_token_ids, n, sampling)`` streams one request with ``n`` samples (one GRPO group) in DELTA
-mode and stamps every response token with ``engine.version`` at the moment that token arrived, so a weight swap
-in the middle of a sequence shows as a change of version inside one completion.
+``generate(prompt_token_ids, n, sampling)`` runs one request with ``n`` samples (one GRPO group) and returns every
+response token with the policy version of the weights that sampled it, so a weight swap in the middle of a
+sequence shows as a change of version inside one completion. The versions are vLLM's own weight-version labels:
+the engine core stamps each step's outputs with its current label, and a finished completion carries them as
+spans (``CompletionOutput.weight_versions``). So the stream need not deliver every token as it comes: each sample
+streams its first token (for ``first_token_s``) and then its final output only (``stream_interval``), which spares
+the main process a Python round per token and sample.
 
 ``swap(version, load, mode="keep")`` is the weight hot-swap hook: pause (``"keep"`` freezes running requests in
-place, ``"wait"`` lets them finish first; KV and prefix caches are cleared), ``await load(llm)``, set ``version``,
-``resume_generation()``; returns the pause in milliseconds (``last_swap_ms`` has it by phase). Swaps are
-serialised by a lock; the engine resumes even if ``load`` raises (the error propagates, the version is unchanged).
+place, ``"wait"`` lets them finish first; KV and prefix caches are cleared), ``await load(llm)``, set ``version``
+and vLLM's label, ``resume_generation()``; returns the pause in milliseconds (``last_swap_ms`` has it by phase).
+Swaps are serialised by a lock; the engine resumes even if ``load`` raises (the error propagates, the version is
+unchanged). ``relabel(version)`` adopts a version without loading anything (the same weights, renamed); assigning
+``version`` alone does not change the labels of the tokens generated next.
 
 Behaviour logprobs: ``logprobs_mode`` ``"processed_logprobs"`` (default) gives log-probabilities of the
 distribution actually sampled from (after temperature/top-k/top-p), so with ``temperature=1`` and no truncation
@@ -116,6 +122,7 @@ class Engine:
         # unset batch limits take vLLM's offline (``LLM`` class) defaults for the platform, not the smaller
         # server ones: a generator is a throughput client (on CPU 256 sequences, not 128, and 4096 tokens a step)
         self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        await self.llm.update_weight_version(str(self.version))
         log.info("vLLM engine for %s ready in %.1f s", self.model_path, time.monotonic() - t0)
 
     async def stop(self) -> None:
@@ -152,15 +159,17 @@ class Engine:
             logprobs=0,  # the sampled token's logprob only
             stop_token_ids=list(sampling.stop_token_ids) or None,
             output_kind=RequestOutputKind.DELTA,
+            stream_interval=_FIRST_AND_FINAL,
             skip_special_tokens=True,
         )
 
     async def generate(self, prompt_token_ids: Sequence[int], n: int, sampling: Sampling,
                        *, request_id: str = "") -> list[Completion]:
-        """Sample ``n`` completions of one prompt, streaming; returns them ordered by index.
+        """Sample ``n`` completions of one prompt; returns them ordered by index.
 
-        Waits on vLLM's output stream; each delta's tokens get the ``version`` current when the delta arrived.
-        Raises ``RuntimeError`` if the engine is not started; cancelling aborts the request in vLLM.
+        Waits on vLLM's output stream (each sample's first token, then its final output); token versions come
+        from the finished outputs' weight-version spans. Raises ``RuntimeError`` if the engine is not started;
+        cancelling aborts the request in vLLM.
         """
         if self.llm is None:
             raise RuntimeError("Engine.start() was not called")
@@ -170,7 +179,6 @@ class Engine:
         prompt = {"prompt_token_ids": [int(t) for t in prompt_token_ids]}
         async for ro in self.llm.generate(prompt, self._params(n, sampling), request_id):
             now = time.monotonic() - t0
-            version = self.version
             for co in ro.outputs:
                 c = out[co.index]
                 new = list(co.token_ids)
@@ -179,12 +187,12 @@ class Engine:
                         c.first_token_s = now
                     c.generate_s = now
                     c.token_ids.extend(new)
-                    c.versions.extend([version] * len(new))
                     c.logprobs.extend(_sampled_logprobs(co.logprobs, new))
                     self.tokens_out += len(new)
                 c.text += co.text
                 if co.finish_reason is not None:
                     c.finish_reason = str(co.finish_reason)
+                    c.versions = _token_versions(co.weight_versions, len(c.token_ids), self.version)
         return out
 
     # -- weight swap ----------------------------------------------------------------------------
@@ -197,10 +205,9 @@ class Engine:
 
         The pause is ``AsyncLLM.pause_generation`` without its two extras: the multimodal cache is cleared before
         pausing (nothing needs the engine paused for it) and its fixed 20 ms settle sleep is skipped. That sleep
-        only lets outputs of the old weights reach their streams before it returns; here they are stamped right:
-        the scheduler's pause reply follows every such output on the engine's output socket, so they are queued
-        before the pause returns, and the output handler and ``generate`` run while ``load`` awaits the worker
-        (an RPC round trip at least), before ``version`` changes.
+        only lets outputs of the old weights reach their streams before it returns; here every token is labelled
+        by the engine core with the label of the step that sampled it, and the new label is set while the
+        scheduler is paused, so when an output reaches its stream does not matter.
         """
         if self.llm is None:
             raise RuntimeError("Engine.start() was not called")
@@ -212,6 +219,8 @@ class Engine:
             t1 = t2 = time.perf_counter()
             try:
                 await load(self.llm)
+                # the label inside the pause: tokens of a step before it are the old weights', after it the new
+                await self.llm.update_weight_version(str(version))
                 t2 = time.perf_counter()
                 self.version = version
                 self.swaps += 1
@@ -221,6 +230,30 @@ class Engine:
                 self.last_swap_ms = {"pause": (t1 - t0) * 1000, "load": (t2 - t1) * 1000,
                                      "resume": (t3 - t2) * 1000}
             return (t3 - t0) * 1000.0
+
+
+    async def relabel(self, version: int) -> None:
+        """Adopt ``version`` for the weights loaded now (nothing is loaded): later tokens carry it."""
+        if self.llm is None:
+            raise RuntimeError("Engine.start() was not called")
+        await self.llm.update_weight_version(str(version))
+        self.version = version
+
+
+# a sample's stream delivers its first token, then nothing until it finishes (vLLM's ``stream_interval``)
+_FIRST_AND_FINAL = 1 << 30
+
+
+def _token_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
+    """Per-token policy versions from vLLM's weight-version spans of a finished sample (``fallback`` if none)."""
+    if not spans:
+        return [fallback] * num_tokens
+    versions: list[int] = []
+    for span in spans:
+        versions.extend([int(span.version)] * (span.end - span.start))
+    if len(versions) != num_tokens:
+        raise RuntimeError(f"vLLM's weight-version spans cover {len(versions)} of {num_tokens} tokens")
+    return versions
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:

@@ -184,7 +184,7 @@ class WeightReceiver:
 
     async def _sync_once(self, pv: PolicyVersion) -> None:
         if pv.transport == "none":
-            self.engine.version = pv.version
+            await self.engine.relabel(pv.version)
             await self._ack(pv.version)
             return
         if pv.transport == "file":
@@ -228,10 +228,9 @@ class WeightReceiver:
                                           "weightsync_commit", factor=3))[0])
 
         pause = await self.engine.swap(version, load, mode=self.cfg.pause_mode)
-        await self._rpc(llm.update_weight_version(str(version)), "update_weight_version")
         self._expected_s = float(stats.get("receive_s", 0.0)) + float(stats.get("stage_s", 0.0))
         if int(stats["version"]) != version:
-            self.engine.version = int(stats["version"])
+            await self.engine.relabel(int(stats["version"]))
             raise LoadFailed(f"expected version {version}, the trainer pushed {int(stats['version'])}")
         self.pauses_ms.append(pause)
         await self._ack(version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)

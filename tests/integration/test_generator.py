@@ -416,7 +416,7 @@ async def test_swap_mid_sequence_shows_in_the_token_versions(engine, model_dir):
         pause_ms = await engine.swap(1, reload, mode="keep")
         completions = await asyncio.wait_for(gen, 60)
     finally:
-        engine.version = 0  # identical weights: later tests see version 0
+        await engine.relabel(0)  # identical weights: later tests see version 0
     print(f"swap pause {pause_ms:.1f} ms")
     assert pause_ms > 0
     for c in completions:
@@ -471,7 +471,7 @@ async def test_follows_published_versions_and_holds_when_behind(run_config, engi
             assert all((r.value.token_versions == 3).all() for r in later[4:])
         await stop_role(stop, task)
     finally:
-        engine.version = 0
+        await engine.relabel(0)
         await nc.close()
 
 
@@ -513,7 +513,7 @@ async def test_quota_keeps_the_generator_within_its_window_of_trainer_steps(run_
             assert time.monotonic() - t0 >= 2.0 and role.backpressure.granted == 1
         await stop_role(stop, task)
     finally:
-        engine.version = 0  # "none" versions only relabel the same weights
+        await engine.relabel(0)  # "none" versions only relabel the same weights
         await nc.close()
 
 

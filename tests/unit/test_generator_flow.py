@@ -232,3 +232,17 @@ def test_build_episodes_ids_versions_and_lengths():
     assert eps[0].timings == {"queued_s": 0.25, "first_token_s": 0.0, "generate_s": 0.5}
     for e in eps:
         e.validate()
+
+
+def test_token_versions_come_from_vllms_weight_version_spans():
+    """A finished sample's spans (vLLM's ``WeightVersionSpan``: label, start, end) become one version per token;
+    no spans (an unlabelled engine) means the engine's version for all; spans that miss tokens are an error."""
+    from vllm.outputs import WeightVersionSpan
+
+    from producers.engine import _token_versions
+
+    spans = [WeightVersionSpan("3", 0, 2), WeightVersionSpan("4", 2, 5)]
+    assert _token_versions(spans, 5, fallback=9) == [3, 3, 4, 4, 4]
+    assert _token_versions(None, 3, fallback=9) == [9, 9, 9]
+    with pytest.raises(RuntimeError, match="cover 5 of 6 tokens"):
+        _token_versions(spans, 6, fallback=9)
