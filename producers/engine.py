@@ -12,7 +12,9 @@ sequence shows as a change of version inside one completion. The versions are vL
 the engine core stamps each step's outputs with its current label, and a finished completion carries them as
 spans (``CompletionOutput.weight_versions``). So the stream need not deliver every token as it comes: each sample
 streams its first token (for ``first_token_s``) and then its final output only (``stream_interval``), which spares
-the main process a Python round per token and sample.
+the main process a Python round per token and sample. vLLM does not detokenize (``detokenize=False``: no
+incremental text, no decoded string per logprob); a sample's text is decoded once when it finishes, and the
+logprobs come in vLLM's flat lists (``flat_logprobs``).
 
 ``swap(version, load, mode="keep")`` is the weight hot-swap hook: pause (``"keep"`` freezes running requests in
 place, ``"wait"`` lets them finish first; KV and prefix caches are cleared), ``await load(llm)``, set ``version``
@@ -158,9 +160,11 @@ class Engine:
             seed=sampling.seed,
             logprobs=0,  # the sampled token's logprob only
             stop_token_ids=list(sampling.stop_token_ids) or None,
+            flat_logprobs=True,  # a few flat lists per request, not a dict and a Logprob per token
             output_kind=RequestOutputKind.DELTA,
             stream_interval=_FIRST_AND_FINAL,
-            skip_special_tokens=True,
+            # no incremental detokenization (nor a decoded string per logprob): the text is decoded once, at the end
+            detokenize=False,
         )
 
     async def generate(self, prompt_token_ids: Sequence[int], n: int, sampling: Sampling,
@@ -189,10 +193,10 @@ class Engine:
                     c.token_ids.extend(new)
                     c.logprobs.extend(_sampled_logprobs(co.logprobs, new))
                     self.tokens_out += len(new)
-                c.text += co.text
                 if co.finish_reason is not None:
                     c.finish_reason = str(co.finish_reason)
                     c.versions = _token_versions(co.weight_versions, len(c.token_ids), self.version)
+                    c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return out
 
     # -- weight swap ----------------------------------------------------------------------------
@@ -262,5 +266,7 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
         raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs must be set)")
     if len(logprobs) != len(token_ids):
         raise RuntimeError(f"vLLM returned {len(logprobs)} logprob entries for {len(token_ids)} tokens")
+    if getattr(logprobs, "token_ids", None) == token_ids:  # FlatLogprobs holding the sampled token's entry only
+        return [float(x) for x in logprobs.logprobs]
     return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
 

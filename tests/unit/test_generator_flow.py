@@ -246,3 +246,20 @@ def test_token_versions_come_from_vllms_weight_version_spans():
     assert _token_versions(None, 3, fallback=9) == [9, 9, 9]
     with pytest.raises(RuntimeError, match="cover 5 of 6 tokens"):
         _token_versions(spans, 6, fallback=9)
+
+
+def test_sampled_logprobs_read_vllms_flat_lists_and_its_per_position_dicts():
+    """The sampled token's logprob per position from vLLM's ``FlatLogprobs`` (what the engine asks for) and from
+    the per-position ``{token_id: Logprob}`` dicts; a count that does not match the tokens is an error."""
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from producers.engine import _sampled_logprobs
+
+    flat = FlatLogprobs()
+    for tok, lp in ((5, -0.25), (7, -1.5)):
+        flat.append({tok: Logprob(logprob=lp, rank=1, decoded_token=None)})
+    assert _sampled_logprobs(flat, [5, 7]) == [-0.25, -1.5]
+    dicts = [{5: Logprob(-0.25, 1, None), 9: Logprob(-3.0, 2, None)}, {7: Logprob(-1.5, 1, None)}]
+    assert _sampled_logprobs(dicts, [5, 7]) == [-0.25, -1.5]
+    with pytest.raises(RuntimeError, match="2 logprob entries for 3 tokens"):
+        _sampled_logprobs(flat, [5, 7, 8])
