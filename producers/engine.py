@@ -235,7 +235,6 @@ class Engine:
                                      "resume": (t3 - t2) * 1000}
             return (t3 - t0) * 1000.0
 
-
     async def relabel(self, version: int) -> None:
         """Adopt ``version`` for the weights loaded now (nothing is loaded): later tokens carry it."""
         if self.llm is None:
@@ -261,7 +260,8 @@ def _token_versions(spans: Any, num_tokens: int, fallback: int) -> list[int]:
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
-    """The logprob of each sampled token from vLLM's per-position ``{token_id: Logprob}`` dicts."""
+    """The logprob of each sampled token from vLLM's flat lists (``FlatLogprobs``) or per-position
+    ``{token_id: Logprob}`` dicts."""
     if logprobs is None:
         raise RuntimeError("vLLM returned no logprobs (SamplingParams.logprobs must be set)")
     if len(logprobs) != len(token_ids):
