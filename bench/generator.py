@@ -2,10 +2,10 @@
 
 Same run, same tiny model, same prompts (``--prompts`` addmod10 prompts, ``--group-size`` samples each) and the
 same sampling (temperature 1, ``--max-tokens``, the sampled token's logprob), ``--rounds`` alternating rounds with
-fresh prompts (the machine is shared: alternating spreads the noise over both). After the warm-up the process's heap is frozen
-(``gc.freeze``), as every role's process does once started: otherwise a full collection of vLLM's and torch's
-objects (0.5-0.8 s) falls into a round at random, mostly the generator's (it allocates more). Bare vLLM: ``LLM.generate`` on
-all prompts of the round at once, timed around the call. Generator: the round's prompts are fed to the
+fresh prompts (the machine is shared: alternating spreads the noise over both). After the warm-up the process's
+heap is frozen (``gc.freeze``), as every role's process does once started: otherwise a full collection of vLLM's
+and torch's objects (0.5-0.8 s) falls into a round at random, mostly the generator's (it allocates more). Bare
+vLLM: ``LLM.generate`` on all prompts of the round at once, timed around the call. Generator: the round's prompts are fed to the
 ``prompts`` topic of embedded brokers, a ``GeneratorRole`` with its own ``AsyncLLM`` engine takes them all
 concurrently and produces every scored Episode to the ``episodes`` topic; timed from the first prompt taken to the
 last Episode acknowledged (the consumer-group join before it is excluded). Both engines are warmed up first and
