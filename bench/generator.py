@@ -1,18 +1,18 @@
 """Generator benchmark: tokens/s of one generator producing Episodes to the topic vs bare vLLM ``LLM.generate``.
 
-Same run, same tiny model, same prompts (``--prompts`` addmod10 prompts, ``--group-size`` samples each) and the
-same sampling (temperature 1, ``--max-tokens``, the sampled token's logprob), ``--rounds`` alternating rounds with
-fresh prompts (the machine is shared: alternating spreads the noise over both). After the warm-up the process's
-heap is frozen (``gc.freeze``), as every role's process does once started: otherwise a full collection of vLLM's
-and torch's objects (0.5-0.8 s) falls into a round at random, mostly the generator's (it allocates more). Bare
-vLLM: ``LLM.generate`` on all prompts of the round at once, timed around the call. Generator: the round's prompts are fed to the
-``prompts`` topic of embedded brokers, a ``GeneratorRole`` with its own ``AsyncLLM`` engine takes them all
+Same run, same tiny model, same prompts (``--prompts`` addmod10 prompts, ``--group-size`` samples each) and the same
+sampling (temperature 1, ``--max-tokens``, the sampled token's logprob), ``--rounds`` alternating rounds with fresh
+prompts (the machine is shared: alternating spreads the noise over both). After the warm-up the process's heap is
+frozen (``gc.freeze``), as every role's process does once started: otherwise a full collection of vLLM's and torch's
+objects (0.5-0.8 s) falls into a round at random, mostly the generator's (it allocates more). Bare vLLM:
+``LLM.generate`` on all prompts of the round at once, timed around the call. Generator: the round's prompts are fed
+to the ``prompts`` topic of embedded brokers, a ``GeneratorRole`` with its own ``AsyncLLM`` engine takes them all
 concurrently and produces every scored Episode to the ``episodes`` topic; timed from the first prompt taken to the
-last Episode acknowledged (the consumer-group join before it is excluded). Both engines are warmed up first and
-stay alive (one at a time works). Each round gives a pair of rates (tokens / seconds); X is the median over the
-rounds of the pair's ratio (a round's noise hits both sides of its pair alike, and one disturbed round does not
-move a median); ``total_vs_vllm`` is total tokens / total seconds of each side instead. Tokens are response
-tokens actually generated (random-model responses end at EOS at random, so both sides count what they made).
+last Episode acknowledged (the consumer-group join before it is excluded). Both engines are warmed up first and stay
+alive (one at a time works). Each round gives a pair of rates (tokens / seconds); X is the median over the rounds of
+the pair's ratio (a round's noise hits both sides of its pair alike, and one disturbed round does not move a
+median); ``total_vs_vllm`` is total tokens / total seconds of each side instead. Tokens are response tokens actually
+generated (random-model responses end at EOS at random, so both sides count what they made).
 Last line: ``{"bench": "generator", "tokens_per_s_vs_vllm": X, ...}`` (goal: X >= 0.9).
 """
 
