@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from producers.vllm_poll import DEFAULT_POLL_S
 from runtime.cpus import parse_cpus
 from topics.errors import ConfigError, check_choices
 from topics.names import MAX_MEMBER_ID, valid_member_id
@@ -47,6 +48,9 @@ class GeneratorConfig:
     gpu_memory_utilization: float = 0.5  # vLLM on GPU
     enforce_eager: bool = True  # vLLM: no CUDA graphs / compilation
     seed: int = 0  # vLLM sampling seed
+    # how long vLLM's engine core and worker poll their shared-memory queues after a read before they sleep (vLLM's
+    # own is 1 s, which keeps a core busy between bursts of generation; producers/vllm_poll.py); -1 = vLLM's own
+    vllm_poll_s: float = DEFAULT_POLL_S
     # vLLM: processed_logprobs (after temperature etc.) | raw_logprobs
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     # >0: this generator's share of the groups the trainer trains per step (its quota, producers/flow.py); derived
@@ -96,6 +100,8 @@ class GeneratorConfig:
             raise ConfigError("generator.quota_window_steps", "must be at least 1")
         if self.metrics_every_s <= 0:
             raise ConfigError("generator.metrics_every_s", "must be positive")
+        if self.vllm_poll_s < 0 and self.vllm_poll_s != -1:
+            raise ConfigError("generator.vllm_poll_s", "must be >= 0 seconds, or -1 for vLLM's own")
         if self.backpressure_stall_s < 0:
             raise ConfigError("generator.backpressure_stall_s", "must be >= 0 (0 = adaptive)")
 

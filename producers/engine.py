@@ -2,7 +2,9 @@
 
 ``Engine(model_path, ...)`` owns one ``AsyncLLM`` (``dtype``, float32 by default; eager; on CPU its KV cache is
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts; ``max_num_seqs`` and
-``max_num_batched_tokens`` bound a scheduler step, 0 = vLLM's offline ``LLM`` defaults). ``extra_args`` are more
+``max_num_batched_tokens`` bound a scheduler step, 0 = vLLM's offline ``LLM`` defaults; ``poll_s`` is how long its
+engine core and worker poll their shared-memory queues before they sleep, ``producers/vllm_poll.py``, None = vLLM's
+own 1 s). ``extra_args`` are more
 engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
 ``weight_transfer_config``).
 
@@ -40,6 +42,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+from producers import vllm_poll
+
 log = logging.getLogger("streamforge.engine")
 
 
@@ -75,7 +79,8 @@ class Engine:
     def __init__(self, model_path: str, *, version: int = 0, max_model_len: int = 256, seed: int = 0,
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  logprobs_mode: str = "processed_logprobs", dtype: str = "float32", max_num_seqs: int = 0,
-                 max_num_batched_tokens: int = 0, extra_args: dict[str, Any] | None = None) -> None:
+                 max_num_batched_tokens: int = 0, poll_s: float | None = vllm_poll.DEFAULT_POLL_S,
+                 extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
         self.version = version
         self.max_model_len = max_model_len
@@ -87,6 +92,7 @@ class Engine:
         self.dtype = dtype
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.poll_s = poll_s
         self.extra_args = dict(extra_args or {})
         self.llm: Any = None
         self._swap_lock = asyncio.Lock()
@@ -107,6 +113,7 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(self.kv_cache_gib))}")
+        vllm_poll.set_poll_s(self.poll_s)  # read by our vLLM plugin in the engine core and worker processes
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=self.dtype,

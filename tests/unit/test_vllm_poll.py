@@ -1,0 +1,45 @@
+"""producers/vllm_poll.py: the poll asked of vLLM's processes travels in the environment they inherit."""
+
+from __future__ import annotations
+
+import pytest
+
+from producers import vllm_poll
+from producers.config import GeneratorConfig
+from topics.errors import ConfigError
+
+
+def test_set_poll_s_round_trips_and_none_leaves_vllm_its_own(monkeypatch):
+    monkeypatch.delenv(vllm_poll.ENV, raising=False)
+    assert vllm_poll.poll_s() is None
+    vllm_poll.set_poll_s(0.02)
+    assert vllm_poll.poll_s() == 0.02
+    vllm_poll.set_poll_s(None)
+    assert vllm_poll.poll_s() is None
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1"])
+def test_a_bad_or_negative_value_keeps_vllms_poll(monkeypatch, raw):
+    monkeypatch.setenv(vllm_poll.ENV, raw)
+    assert vllm_poll.poll_s() is None
+
+
+def test_generator_config_takes_minus_one_for_vllms_own_and_refuses_other_negatives():
+    assert GeneratorConfig().vllm_poll_s == vllm_poll.DEFAULT_POLL_S
+    assert GeneratorConfig(vllm_poll_s=-1).vllm_poll_s == -1
+    with pytest.raises(ConfigError, match="generator.vllm_poll_s"):
+        GeneratorConfig(vllm_poll_s=-0.5)
+
+
+def test_the_plugin_is_registered_with_vllm():
+    from importlib.metadata import entry_points
+
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("streamforge_poll") == "producers.vllm_poll:register"
+
+
+def test_the_variable_is_not_read_as_a_config_key():
+    """A role started by a process whose engine set the variable inherits it; it must not fail as a config key."""
+    from streamforge.config import env_overrides
+
+    assert env_overrides({vllm_poll.ENV: "0.02"}) == []
