@@ -85,6 +85,7 @@ async def run_generator(cfg, engine, prompts: list, group_size: int) -> tuple[in
 
 async def compare(model: str, args: argparse.Namespace, work: Path) -> tuple[list, list]:
     """Alternate bare vLLM and the generator ``--rounds`` times (fresh prompts each round) to share the noise."""
+    from producers import vllm_poll
     from producers.engine import Engine, Sampling
     from producers.sources import toy_prompts
     from streamforge.brokers import EmbeddedBrokers
@@ -104,6 +105,9 @@ async def compare(model: str, args: argparse.Namespace, work: Path) -> tuple[lis
             "--generator.generator_id=bench", "--staleness.max_versions=-1",  # no trainer: no quota, no lag
         ], environ={})
         await ensure_topics(cfg.kafka, cfg.names, cfg.topics)
+        # both engines' processes poll their queues alike (the role's default, producers/vllm_poll.py): with vLLM's
+        # own 1 s, the idle engine's worker would poll through the other's round
+        vllm_poll.set_poll_s(engine.poll_s)
         bare = BareVLLM(model, args)
         await engine.start()
         tok = engine.tokenizer
