@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -194,6 +195,9 @@ def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str,
     from streamforge.plots import read_metrics
 
     run_dir = out / f"sf-{mode}"
+    # `up` into a run directory that has a run resumes it: a second bench run would train on from the first one's
+    # checkpoint and read both runs' metrics
+    shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "streamforge", "up", "--config", args.config, "--run-dir", str(run_dir),
            f"--trainer.reward_target={args.target}", f"--trainer.reward_window={args.window}",
            "--trainer.max_steps=100000", "--trainer.checkpoint_every=100000", f"--up.max_wall_s={args.budget_s}"]
