@@ -4,9 +4,8 @@
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts; ``max_num_seqs`` and
 ``max_num_batched_tokens`` bound a scheduler step, 0 = vLLM's offline ``LLM`` defaults; ``poll_s`` is how long its
 engine core and worker poll their shared-memory queues before they sleep, ``producers/vllm_poll.py``, None = vLLM's
-own 1 s). ``extra_args`` are more
-engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
-``weight_transfer_config``).
+own 1 s). ``extra_args`` are more engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)``
+(``worker_extension_cls``, ``weight_transfer_config``).
 
 ``generate(prompt_token_ids, n, sampling)`` runs one request with ``n`` samples (one GRPO group) and returns every
 response token with the policy version of the weights that sampled it, so a weight swap in the middle of a

@@ -205,9 +205,9 @@ def env_overrides(environ: Mapping[str, str], cls: type = RunConfig) -> list[str
     return out
 
 
-# Environment variables with the prefix that are not config keys (secrets read by name, process plumbing).
-# read by other code, not config keys (vllm_poll_s: the poll a generator's Engine hands its vLLM processes,
-# producers/vllm_poll.py; inherited by any role a process with an engine starts)
+# Environment variables with the prefix that are not config keys (secrets read by name, process plumbing;
+# vllm_poll_s: the poll an Engine hands its vLLM processes, producers/vllm_poll.py, inherited by any role started
+# after it by the same process).
 _NON_CONFIG_ENV = {"kafka_password", "nats_token", "nats_password", "role", "config", "log_json", "vllm_poll_s"}
 
 
