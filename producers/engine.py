@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from producers import vllm_poll
+from producers import vllm_poll, vllm_swap
 
 log = logging.getLogger("streamforge.engine")
 
@@ -101,6 +101,7 @@ class Engine:
         self.swaps = 0
         self.tokens_out = 0
         self.last_swap_ms: dict[str, float] = {}  # phases of the last swap: pause, load, resume
+        self._fused_swap = True  # swap_rpc in one engine-core call until the engine core says it cannot
 
     # -- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -240,6 +241,41 @@ class Engine:
                 self.last_swap_ms = {"pause": (t1 - t0) * 1000, "load": (t2 - t1) * 1000,
                                      "resume": (t3 - t2) * 1000}
             return (t3 - t0) * 1000.0
+
+    async def swap_rpc(self, version: int, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+                       *, mode: str = "keep") -> tuple[float, Any]:
+        """``swap`` whose load is the worker RPC ``method(*args, **kwargs)``: returns (pause in ms, its result).
+
+        One call into the engine core when our plugin gave it ``streamforge_swap`` (producers/vllm_swap.py): the
+        pause, the RPC, the new label and the resume all happen there, and ``last_swap_ms`` holds the engine core's
+        timings. Otherwise (and from then on) ``swap`` with the RPC as its load.
+        """
+        if self.llm is None:
+            raise RuntimeError("Engine.start() was not called")
+        if self._fused_swap:
+            async with self._swap_lock:
+                await self.llm.renderer.clear_mm_cache_async()
+                try:
+                    out = await self.llm.engine_core.call_utility_async(
+                        vllm_swap.METHOD, str(version), mode, method, list(args), dict(kwargs or {}))
+                except Exception as exc:  # vLLM reports a failed utility call as a bare Exception
+                    if f"attribute '{vllm_swap.METHOD}'" not in str(exc):
+                        raise
+                    log.info("vLLM's engine core lacks %s (plugin not loaded): a swap takes four calls",
+                             vllm_swap.METHOD)
+                    self._fused_swap = False
+                else:
+                    self.version = version
+                    self.swaps += 1
+                    self.last_swap_ms = {k: float(out[f"{k}_ms"]) for k in ("pause", "load", "resume")}
+                    return sum(self.last_swap_ms.values()), out["result"]
+        result: list[Any] = []
+
+        async def load(llm: Any) -> None:
+            result.extend(await llm.collective_rpc(method, args=tuple(args), kwargs=kwargs))
+
+        pause = await self.swap(version, load, mode=mode)
+        return pause, result[0] if result else None
 
     async def relabel(self, version: int) -> None:
         """Adopt ``version`` for the weights loaded now (nothing is loaded): later tokens carry it."""

@@ -7,7 +7,7 @@ role supervises ``loop()``, then ``stop()`` (which says ``leave``). ``loop()`` r
 * follow: consumes ``PolicyStore.watch()`` (the current version first, which is how a late joiner catches up, then
   every newer one). For each version newer than ``engine.version``:
 
-  - ``file``: ``engine.swap(v, reload_weights(weights_path=pv.path))``;
+  - ``file``: ``engine.swap_rpc(v, "reload_weights", kwargs={"weights_path": pv.path})``;
   - ``gloo``/``nccl``: if not joined to that trainer's rendezvous yet (or the pair broke), *join*: a NATS request
     on the membership subject that the trainer answers after starting its side of the pair group, with the version
     it will push at once (``-1`` for none); then ``init_weight_transfer_engine``. Each push is received and
@@ -15,8 +15,9 @@ role supervises ``loop()``, then ``stop()`` (which says ``leave``). ``loop()`` r
     reload into a shadow model, ``weightsync/staging.py``); the receiver waits for that (``weightsync_ready``)
     before it pauses, so the pause holds only the commit of the staged version (tensor copies): vLLM's
     ``start_weight_update``, ``update_weights`` and ``finish_weight_update`` run in the worker in one call
-    (``weightsync_commit``), so a swap costs the engine a prefetch, a few readiness polls, the pause and the
-    commit, and vLLM's own record of the weight version after the resume;
+    (``weightsync_commit``), and the pause, that call, the new version's label and the resume are one call into
+    the engine core (``Engine.swap_rpc``, producers/vllm_swap.py), so a swap costs the engine a prefetch, a few
+    readiness polls and the pause around the commit;
   - ``none``: the initial weights of the model path; adopted without loading.
 
   and publishes a ``VersionAck`` (ok, pause and transfer times, or the error). A failed transfer drops the pair;
@@ -189,7 +190,10 @@ class WeightReceiver:
             return
         if pv.transport == "file":
             t0 = time.perf_counter()
-            pause = await self.engine.swap(pv.version, self._file_loader(pv.path), mode=self.cfg.pause_mode)
+            self._check_weights_dir(pv.path)
+            pause, _ = await self._rpc(self.engine.swap_rpc(pv.version, "reload_weights",
+                                                            kwargs={"weights_path": pv.path}, mode=self.cfg.pause_mode),
+                                       "reload_weights", factor=3)
             await self._ack(pv.version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
             return
         if pv.transport not in COLLECTIVE_TRANSPORTS:
@@ -221,13 +225,9 @@ class WeightReceiver:
         llm = self.engine.llm
         await self._rpc(llm.collective_rpc("weightsync_prefetch", args=(version,)), "prefetch")
         await self._wait_staged(llm)
-        stats: dict[str, Any] = {}
-
-        async def load(llm: Any) -> None:  # the pause holds this one call: the commit of the staged version
-            stats.update((await self._rpc(llm.collective_rpc("weightsync_commit", args=(version,)),
-                                          "weightsync_commit", factor=3))[0])
-
-        pause = await self.engine.swap(version, load, mode=self.cfg.pause_mode)
+        # the pause holds this one call: the commit of the staged version
+        pause, stats = await self._rpc(self.engine.swap_rpc(version, "weightsync_commit", (version,),
+                                                            mode=self.cfg.pause_mode), "weightsync_commit", factor=3)
         self._expected_s = float(stats.get("receive_s", 0.0)) + float(stats.get("stage_s", 0.0))
         if int(stats["version"]) != version:
             await self.engine.relabel(int(stats["version"]))
@@ -255,17 +255,12 @@ class WeightReceiver:
             await asyncio.sleep(delay)
             delay = min(delay * 2, cap)
 
-    def _file_loader(self, path: str):
+    @staticmethod
+    def _check_weights_dir(path: str) -> None:
         # vLLM's reload_weights on a missing or empty directory leaves the model on meta tensors (the next step
         # kills the engine): refuse before pausing anything.
         if not os.path.isdir(path) or not any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise LoadFailed(f"no safetensors in {path!r}")
-
-        async def load(llm: Any) -> None:
-            await self._rpc(llm.collective_rpc("reload_weights", kwargs={"weights_path": path}), "reload_weights",
-                            factor=3)
-
-        return load
 
     async def _rpc(self, coro: Any, what: str, *, factor: float = 1.0) -> Any:
         try:

@@ -425,6 +425,42 @@ async def test_swap_mid_sequence_shows_in_the_token_versions(engine, model_dir):
     assert any(c.versions[0] == 0 and c.versions[-1] == 1 for c in completions), [c.versions for c in completions]
 
 
+async def test_swap_rpc_is_one_engine_core_call_and_resumes_after_a_failed_load(engine, model_dir, monkeypatch):
+    """``Engine.swap_rpc`` through our plugin's ``streamforge_swap`` (producers/vllm_swap.py): tokens of running
+    requests carry the new version, the engine core times the pause; a load that raises leaves the version as it
+    was and generation running; an engine core without the method gets the four calls of ``swap``."""
+    from producers import vllm_swap
+    from producers.engine import Sampling
+
+    prompt = engine.tokenizer("reverse abc:")["input_ids"]
+    tokens_before = engine.tokens_out
+    gen = asyncio.create_task(engine.generate(prompt, 8, Sampling(max_tokens=100)))
+    while engine.tokens_out == tokens_before:
+        await asyncio.sleep(0.005)
+    try:
+        pause_ms, result = await engine.swap_rpc(1, "reload_weights", kwargs={"weights_path": str(model_dir)})
+        completions = await asyncio.wait_for(gen, 60)
+        assert engine._fused_swap and engine.version == 1
+        assert set(engine.last_swap_ms) == {"pause", "load", "resume"}
+        assert pause_ms == pytest.approx(sum(engine.last_swap_ms.values()))
+        assert result is None  # reload_weights returns nothing
+        assert any(c.versions[0] == 0 and c.versions[-1] == 1 for c in completions), [c.versions for c in completions]
+
+        with pytest.raises(Exception, match="no_such_worker_method"):
+            await engine.swap_rpc(2, "no_such_worker_method")
+        assert engine.version == 1 and await engine.llm.get_weight_version() == "1"
+        after = await asyncio.wait_for(engine.generate(prompt, 2, Sampling(max_tokens=4)), 30)  # resumed
+        assert all(c.versions and set(c.versions) == {1} for c in after)
+
+        monkeypatch.setattr(vllm_swap, "METHOD", "streamforge_swap_of_another_plugin")
+        await engine.swap_rpc(3, "reload_weights", kwargs={"weights_path": str(model_dir)})
+        assert not engine._fused_swap and engine.version == 3 and await engine.llm.get_weight_version() == "3"
+    finally:
+        engine._fused_swap = True
+        await engine.relabel(0)  # identical weights: later tests see version 0
+    print(f"swap_rpc pause {pause_ms:.1f} ms ({engine.last_swap_ms})")
+
+
 async def test_follows_published_versions_and_holds_when_behind(run_config, engine, model_dir):
     """The weight receiver loads file versions into the engine; Episodes carry them; with max_policy_lag 0 a
     version the generator could not load stops the intake until a loadable one arrives."""

@@ -31,11 +31,23 @@ def test_generator_config_takes_minus_one_for_vllms_own_and_refuses_other_negati
         GeneratorConfig(vllm_poll_s=-0.5)
 
 
-def test_the_plugin_is_registered_with_vllm():
+def test_the_plugins_are_registered_with_vllm():
+    """The poll, and the one-call swap of producers/vllm_swap.py (tested against vLLM in test_generator.py)."""
     from importlib.metadata import entry_points
 
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert names.get("streamforge_poll") == "producers.vllm_poll:register"
+    assert names.get("streamforge_swap") == "producers.vllm_swap:register"
+
+
+def test_the_swap_plugin_patches_only_a_process_that_runs_an_engine_core(monkeypatch):
+    import sys
+
+    from producers import vllm_swap
+
+    monkeypatch.delitem(sys.modules, "vllm.v1.engine.core", raising=False)
+    vllm_swap.register()  # a worker process (vLLM loads general plugins there too): nothing to patch, no import
+    assert "vllm.v1.engine.core" not in sys.modules
 
 
 def test_the_variable_is_not_read_as_a_config_key():
