@@ -15,6 +15,11 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
   ``trainer.publish_every: 2`` (``--async-publish-every``): a swap stops the generator longer than a 2-token
   generation takes, and swapping every other step reached the target in 35 s against 64 s (bench/RESULTS.md).
   ``--sf KEY=VALUE`` sets more streamforge keys for both modes.
+* Both streamforge modes pin the generator (its process, vLLM's engine core and worker) to one core,
+  ``generator.cpus`` = the last core this process may use (``--generator-cpus``; '' leaves them unpinned). On a
+  2-core host vLLM's engine core and worker hand each step to each other through queues they poll: on one core
+  each poll yields to the other, and the trainer, buffer and brokers keep the other core. Async reached 0.8 in
+  21-23 s pinned to core 1, 23-29 s to core 0, 26-33 s unpinned (bench/RESULTS.md, 2026-12-04).
 
 Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
 the comparison with TRL is of the two systems as configured, the one with sync of asynchrony alone. Its
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import sys
 import tempfile
 import time
@@ -109,6 +115,8 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
     if lag:  # a swap stops the generator ~100-200 ms for a 2-token generation of ~30-60 ms: swap every other step
         extra["trainer.publish_every"] = args.async_publish_every
+    if args.generator_cpus:
+        extra["generator.cpus"] = args.generator_cpus
     extra.update(kv.split("=", 1) for kv in args.sf)
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
                    num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
@@ -198,11 +206,17 @@ def main() -> None:
     p.add_argument("--async-staleness", type=int, default=4, help="staleness.max_versions of the async mode")
     p.add_argument("--async-publish-every", type=int, default=2, help="trainer.publish_every of the async mode")
     p.add_argument("--sf", action="append", default=[], metavar="KEY=VALUE", help="a streamforge config key")
+    p.add_argument("--generator-cpus", default="last",
+                   help="generator.cpus of both streamforge modes: a CPU list, 'last' (the last core this process may "
+                        "use, when it may use more than one) or '' (vLLM's own binding, unpinned processes)")
     p.add_argument("--breakdown", action="store_true",
                    help="print where a streamforge step's time goes (medians from each run's traces, in ms)")
     p.add_argument("--filter-zero-variance", type=int, default=1,
                    help="streamforge (sync and async alike) drops zero-variance groups, as the demo (TRL does not)")
     args = p.parse_args()
+    if args.generator_cpus == "last":
+        cores = sorted(os.sched_getaffinity(0))
+        args.generator_cpus = str(cores[-1]) if len(cores) > 1 else ""
 
     from models.tiny_model import build_tiny_model
     from models.warmstart import warm_start
@@ -234,7 +248,7 @@ def main() -> None:
     print(orjson.dumps({
         "bench": "e2e", "task": args.task, "max_tokens": args.max_tokens, "trl_s": a, "sync_s": b, "async_s": c,
         "speedup_vs_trl": (a / c) if a and c else None, "speedup_vs_sync": (b / c) if b and c else None,
-        "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()},
+        "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()}, "generator_cpus": args.generator_cpus,
         **({"breakdown": phases} if phases else {}),
     }).decode())
 
