@@ -7,17 +7,17 @@ requests in flight the whole time ("live").
 
 * push: per version, the snapshot's header and buckets go over the pair group while the worker receives them on
   its prefetch thread and stages them in its shadow model (generation continues); once ``weightsync_ready`` says
-  so, ``engine.swap`` commits them (``weightsync_commit``: vLLM's start, update and finish in one call) inside
-  the pause. push bytes/s = snapshot bytes /
-  trainer-side send time (the worker posted its receive first).
+  so, ``engine.swap_rpc`` commits them (``weightsync_commit``: vLLM's start, update and finish in one call) inside
+  the pause, all in one call into vLLM's engine core (producers/vllm_swap.py), as the generator's receiver does.
+  push bytes/s = snapshot bytes / trainer-side send time (the worker posted its receive first).
 * raw: the same buffers broadcast over the same pair group into plain receives on the same worker thread that
   prefetches pushes, also while generating (nothing decoded or loaded). A 1-byte broadcast first makes sure the
   receiver is waiting, then the bulk is timed.
-* pause: ``Engine.swap`` milliseconds per version on the tiny model, and its phases (medians):
-  ``pause`` (until the scheduler is idle), ``load`` (the ``weightsync_commit`` RPC), ``resume``; from the worker:
-  ``worker_commit`` (the in-pause copy), ``worker_reload`` (an in-pause layerwise reload: 0 when staged) and
-  ``stage_before_pause`` (the layerwise reload into the shadow, outside the pause). ``--no-staged`` measures the
-  unstaged path (the reload inside the pause) for comparison.
+* pause: ``Engine.swap_rpc`` milliseconds per version on the tiny model, timed in the engine core, and its phases
+  (medians): ``pause`` (until the scheduler is idle), ``load`` (the ``weightsync_commit`` RPC), ``resume``; from
+  the worker: ``worker_commit`` (the in-pause copy), ``worker_reload`` (an in-pause layerwise reload: 0 when
+  staged) and ``stage_before_pause`` (the layerwise reload into the shadow, outside the pause). ``--no-staged``
+  measures the unstaged path (the reload inside the pause) for comparison.
 
 Rounds alternate (push, raw, push, raw...) and medians are compared. Reported besides: load ms and the end-to-end
 ratio raw / (send + pause). Last line: ``{"bench": "weightsync", "bytes_per_s_vs_broadcast": X, "pause_ms": Y}``
@@ -111,13 +111,9 @@ async def run(args: argparse.Namespace) -> dict:
         push_s.append(await asyncio.to_thread(send_push, pg, snap))
         while not (await llm.collective_rpc("weightsync_ready"))[0]["done"]:  # received and staged, as the
             await asyncio.sleep(0.005)  # WeightReceiver waits before it pauses
-        committed: dict = {}
-
-        async def update(llm, v=v, committed=committed):  # the receiver's one call inside the pause
-            committed.update((await llm.collective_rpc("weightsync_commit", args=(v,)))[0])
-
-        pauses.append(await engine.swap(v, update, mode="keep"))
-        stats = committed
+        # the receiver's swap: the pause around the commit, one call into the engine core (Engine.swap_rpc)
+        pause, stats = await engine.swap_rpc(v, "weightsync_commit", (v,), mode="keep")
+        pauses.append(pause)
         assert int(stats["version"]) == v, stats
         loads.append((stats["init_s"] + stats["load_s"] + stats["finalize_s"] + stats["commit_s"]) * 1000)
         phases.append({**engine.last_swap_ms, "worker_commit": stats["commit_s"] * 1000,
