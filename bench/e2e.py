@@ -19,7 +19,7 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
   ``generator.cpus`` = the last core this process may use (``--generator-cpus``; '' leaves them unpinned). On a
   2-core host vLLM's engine core and worker hand each step to each other through shared-memory queues that they
   poll; pinned, their polls stay off the core the trainer, buffer and brokers use. In alternated async runs the
-  pinned generator reached 0.8 in 20.9-35.1 s (median 24.4, 11 runs), unpinned in 25.6-33.2 s (median 30.9, 6
+  pinned generator reached 0.8 in 20.9-35.1 s (median 24.4, 11 runs), unpinned in 25.6-33.2 s (median 30.7, 6
   runs); the machine's speed drifted as much within the hour (bench/RESULTS.md, 2026-12-04).
 
 Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
