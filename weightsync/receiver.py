@@ -191,9 +191,7 @@ class WeightReceiver:
         if pv.transport == "file":
             t0 = time.perf_counter()
             self._check_weights_dir(pv.path)
-            pause, _ = await self._rpc(self.engine.swap_rpc(pv.version, "reload_weights",
-                                                            kwargs={"weights_path": pv.path}, mode=self.cfg.pause_mode),
-                                       "reload_weights", factor=3)
+            pause, _ = await self._swap(pv.version, "reload_weights", kwargs={"weights_path": pv.path})
             await self._ack(pv.version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
             return
         if pv.transport not in COLLECTIVE_TRANSPORTS:
@@ -225,9 +223,7 @@ class WeightReceiver:
         llm = self.engine.llm
         await self._rpc(llm.collective_rpc("weightsync_prefetch", args=(version,)), "prefetch")
         await self._wait_staged(llm)
-        # the pause holds this one call: the commit of the staged version
-        pause, stats = await self._rpc(self.engine.swap_rpc(version, "weightsync_commit", (version,),
-                                                            mode=self.cfg.pause_mode), "weightsync_commit", factor=3)
+        pause, stats = await self._swap(version, "weightsync_commit", (version,))  # the commit of the staged version
         self._expected_s = float(stats.get("receive_s", 0.0)) + float(stats.get("stage_s", 0.0))
         if int(stats["version"]) != version:
             await self.engine.relabel(int(stats["version"]))
@@ -261,6 +257,16 @@ class WeightReceiver:
         # kills the engine): refuse before pausing anything.
         if not os.path.isdir(path) or not any(name.endswith(".safetensors") for name in os.listdir(path)):
             raise LoadFailed(f"no safetensors in {path!r}")
+
+    async def _swap(self, version: int, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None,
+                    ) -> tuple[float, Any]:
+        """``engine.swap_rpc`` with the worker RPC ``method``: (pause ms, its result). Bounded by 3 x ``timeout_s``
+        in ``keep`` mode, where the pause completes within a scheduler step; a ``wait`` pause first lets in-flight
+        requests finish, which a long generation can stretch past any bound, so it is not bounded."""
+        call = self.engine.swap_rpc(version, method, args, kwargs, mode=self.cfg.pause_mode)
+        if self.cfg.pause_mode == "wait":
+            return await call
+        return await self._rpc(call, method, factor=3)
 
     async def _rpc(self, coro: Any, what: str, *, factor: float = 1.0) -> Any:
         try:
