@@ -11,7 +11,8 @@ requests in flight the whole time ("live").
   the pause, all in one call into vLLM's engine core (producers/vllm_swap.py), as the generator's receiver does.
   push bytes/s = snapshot bytes / trainer-side send time (the worker posted its receive first).
 * raw: the same buffers broadcast over the same pair group into plain receives on the same worker thread that
-  prefetches pushes, also while generating (nothing decoded or loaded). A 1-byte broadcast first makes sure the
+  prefetches pushes, also while generating (nothing decoded or loaded), into buffers allocated once and received
+  into again every round, as a push lands in the buffers of the one before. A 1-byte broadcast first makes sure the
   receiver is waiting, then the bulk is timed.
 * pause: ``Engine.swap_rpc`` milliseconds per version on the tiny model, timed in the engine core, and its phases
   (medians): ``pause`` (until the scheduler is idle), ``load`` (the ``weightsync_commit`` RPC), ``resume``; from

@@ -36,6 +36,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import torch
@@ -212,19 +213,30 @@ def recv_header(pg, *, peer: str = "trainer", device: torch.device | str = "cpu"
     return Layout.from_header(raw.numpy().tobytes())
 
 
-def recv_buckets(pg, layout: Layout, *, peer: str = "trainer", device: torch.device | str = "cpu"):
-    """Yield ``(bucket_index, buffer)`` as each bucket of the push arrives on ``device`` (rank 1)."""
+def recv_buckets(pg, layout: Layout, *, peer: str = "trainer", device: torch.device | str = "cpu",
+                 reuse: Sequence[torch.Tensor] = ()):
+    """Yield ``(bucket_index, buffer)`` as each bucket of the push arrives on ``device`` (rank 1).
+
+    ``reuse``: buffers of an earlier push (``wire.unshared``) that a bucket of the same size and device is received
+    into instead of fresh memory. Host memory fresh from the allocator is faulted in page by page as the bytes
+    arrive: a 189 MB push into fresh buffers ran at 0.2-0.9 GB/s, into reused ones at 2.1 GB/s (bench/RESULTS.md,
+    2026-12-04)."""
+    dev = torch.device(device)
     for i, nbytes in enumerate(layout.buckets):
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        old = reuse[i] if i < len(reuse) else None
+        fits = old is not None and old.numel() == nbytes and old.device == dev and old.dtype == torch.uint8
+        buf = old if fits else torch.empty(nbytes, dtype=torch.uint8, device=device)
         if nbytes:
             _bcast(pg, buf, peer)
         yield i, buf
 
 
-def recv_push(pg, *, peer: str = "trainer", device: torch.device | str = "cpu") -> Snapshot:
-    """Receive a whole push into fresh buffers on ``device`` (rank 1)."""
+def recv_push(pg, *, peer: str = "trainer", device: torch.device | str = "cpu",
+              reuse: Sequence[torch.Tensor] = ()) -> Snapshot:
+    """Receive a whole push into buffers on ``device`` (rank 1): ``reuse``'s where they fit, else fresh ones."""
     layout = recv_header(pg, peer=peer, device=device)
-    return Snapshot(layout=layout, buffers=[b for _, b in recv_buckets(pg, layout, peer=peer, device=device)])
+    return Snapshot(layout=layout, buffers=[b for _, b in recv_buckets(pg, layout, peer=peer, device=device,
+                                                                       reuse=reuse)])
 
 
 def raw_broadcast(pg, buffers: list[torch.Tensor], *, peer: str = "peer") -> float:

@@ -51,7 +51,7 @@ from weightsync.collective import (
     release,
 )
 from weightsync.staging import ShadowModel
-from weightsync.wire import Snapshot
+from weightsync.wire import Snapshot, unshared
 
 log = logging.getLogger("streamforge.weightsync.vllm_engine")
 
@@ -89,12 +89,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.last_version = -1
         self.last_bytes = 0
         self.last_receive_s = 0.0
+        self.last_reused = 0  # buckets of the last push received into the one before's buffers
         self.last_load_s = 0.0
         self.last_init_s = 0.0
         self.last_finalize_s = 0.0
         self.last_stage_s = 0.0
         self.last_commit_s = 0.0
         self._shadow: ShadowModel | None = None
+        self._raw_buffers: list[torch.Tensor] = []  # raw_prefetch's (benchmark)
+        self._spare: list[torch.Tensor] = []  # the last push's host buffers, unreferenced: the next one lands there
 
     # -- transport (on the io thread) --------------------------------------------------------
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
@@ -115,8 +118,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def _receive(self) -> Snapshot:
         t0 = time.perf_counter()
+        spare, self._spare = self._spare, []
         snap = recv_push(self._group(), peer=f"trainer@{self._info.address if self._info else '?'}",
-                         device=self._buffer_device())
+                         device=self._buffer_device(), reuse=spare)
+        self.last_reused = sum(a is b for a, b in zip(snap.buffers, spare))
         self.last_receive_s = time.perf_counter() - t0
         return snap
 
@@ -165,14 +170,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def raw_prefetch(self, sizes: list[int]) -> Future:
         """Receive plain buffers of ``sizes`` bytes on the transport thread, loading nothing (benchmark baseline:
-        the same thread and conditions as ``prefetch``, without the push format)."""
+        the same thread and conditions as ``prefetch``, without the push format). The buffers are allocated once
+        and received into again by the next call with the same sizes, as pushes reuse theirs."""
 
         def recv() -> float:
             group = self._group()
             device = self._buffer_device()
+            if [b.numel() for b in self._raw_buffers] != [int(n) for n in sizes]:
+                self._raw_buffers = [torch.empty(int(n), dtype=torch.uint8, device=device) for n in sizes]
             t0 = time.perf_counter()
-            for n in sizes:
-                _bcast(group, torch.empty(int(n), dtype=torch.uint8, device=device), "trainer")
+            for buf in self._raw_buffers:
+                _bcast(group, buf, "trainer")
             return time.perf_counter() - t0
 
         return self._io.submit(recv)
@@ -203,7 +211,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._shadow.commit()
             self.last_commit_s = self._shadow.last_commit_s
             self.last_init_s = self.last_load_s = self.last_finalize_s = 0.0
-            return
+        else:
+            self._reload(snap)
+        # loaded: the buffers are kept for the next push when nothing holds a view of them (wire.unshared)
+        buffers, snap = snap.buffers, None
+        self._spare = unshared(buffers)
+
+    def _reload(self, snap: Snapshot) -> None:
+        """vLLM's layerwise reload of ``snap`` on the live model (inside the pause)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.last_stage_s = self.last_commit_s = 0.0
@@ -232,7 +247,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         return {"version": self.last_version, "bytes": self.last_bytes, "receive_s": self.last_receive_s,
                 "load_s": self.last_load_s, "init_s": self.last_init_s,
                 "finalize_s": self.last_finalize_s, "stage_s": self.last_stage_s, "commit_s": self.last_commit_s,
-                "connected": float(self.connected())}
+                "reused_buffers": float(self.last_reused), "connected": float(self.connected())}
 
     def shutdown_pair(self) -> None:
         """Forget the pair group (the trainer side is dropped with it); a later init re-joins."""

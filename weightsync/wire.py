@@ -157,6 +157,22 @@ class Snapshot:
             yield p.name, view(self.buffers[p.bucket], p)
 
 
+def unshared(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``buffers`` when each is host memory that nothing else references (no view of it is alive: not a model's
+    parameter, not a function's packed weight), so the next push may be received into them; else ``[]``.
+
+    Counts the references to each buffer's storage (``torch._C._storage_Use_Count``: the buffer itself and the
+    storage object asked for make two); without that function nothing is reused."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None or not buffers or any(b.device.type != "cpu" for b in buffers):
+        return []
+    for b in buffers:
+        storage = b.untyped_storage()
+        if b.storage_offset() or count(storage._cdata) != 2:
+            return []
+    return list(buffers)
+
+
 def view(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
     """The tensor of ``slot`` as a view of its bucket buffer."""
     raw = buffer[slot.offset: slot.offset + slot.nbytes]

@@ -25,7 +25,7 @@ from weightsync.collective import (
     send_push,
     trainer_pair,
 )
-from weightsync.wire import pack
+from weightsync.wire import pack, unshared
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -47,9 +47,12 @@ def _generator(address: str, session: str, mode: str, out: mp.Queue) -> None:
         if mode == "die":
             out.put("connected")
             time.sleep(60)  # killed by the parent while the trainer sends
+        spare: list[torch.Tensor] = []
         for _ in range(2):
-            snap = recv_push(group)
-            out.put((snap.version, [(n, str(t.dtype), tuple(t.shape), _raw(t)) for n, t in snap.tensors()]))
+            snap = recv_push(group, reuse=spare)  # the second push lands in the first one's buffers
+            reused = [a is b for a, b in zip(snap.buffers, spare)]
+            out.put((snap.version, [(n, str(t.dtype), tuple(t.shape), _raw(t)) for n, t in snap.tensors()], reused))
+            spare = unshared(snap.buffers)
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         out.put(f"error: {type(exc).__name__}: {exc}")
 
@@ -70,8 +73,9 @@ def test_pushes_arrive_bit_exact_in_order():
         for v in (1, 2):
             send_push(group, pack(_named(v), version=v, step=v, bucket_bytes=40_000))
         for v in (1, 2):
-            version, tensors = out.get(timeout=30)
+            version, tensors, reused = out.get(timeout=30)
             assert version == v
+            assert reused == ([] if v == 1 else [True, True, True])  # three buckets of 40 kB, all reused
             for (n, a), (m, dtype, shape, raw) in zip(_named(v), tensors, strict=True):
                 assert (n, str(a.dtype), tuple(a.shape)) == (m, dtype, shape)
                 assert _raw(a) == raw

@@ -174,6 +174,7 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
             assert (lp - _trainer_logprobs(policy.model, ids)).abs().max().item() < 1e-4
         stats = (await engine.llm.collective_rpc("weightsync_stats"))[0]
         assert stats["version"] == 3 and stats["stage_s"] > 0 and stats["load_s"] == 0  # staged, not reloaded
+        assert stats["reused_buffers"] > 0  # version 3 landed in version 1's buffers, which nothing held
         assert receiver.counters["load_failures"] == 0
         await receiver.stop()
     finally:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from topics.errors import InvalidMessage
 from weightsync.files import read_version, write_version
-from weightsync.wire import ALIGN, Layout, Snapshot, pack, plan, view
+from weightsync.wire import ALIGN, Layout, Snapshot, pack, plan, unshared, view
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
@@ -93,3 +93,18 @@ def test_file_version_roundtrip_and_pruning(tmp_path):
     loaded = read_version(path)
     for n, t in named:
         assert torch.equal(loaded[n], t)
+
+
+def test_unshared_buffers_are_those_no_view_holds():
+    snap = pack(_named_for_unshared(), version=1, step=1, bucket_bytes=1024)
+    assert unshared(snap.buffers) == snap.buffers  # nothing else holds them: the next push may land there
+    held = dict(snap.tensors())  # views, as a model that kept a received tensor would hold
+    assert unshared(snap.buffers) == []
+    del held
+    assert unshared(snap.buffers) == snap.buffers
+    assert unshared([snap.buffers[0][8:]]) == []  # a slice is never taken for a whole buffer
+    assert unshared([]) == []
+
+
+def _named_for_unshared() -> list[tuple[str, torch.Tensor]]:
+    return [("a", torch.arange(300, dtype=torch.float32)), ("b", torch.ones(40, 3, dtype=torch.bfloat16))]
