@@ -368,7 +368,7 @@ class BufferRole(Service):
                 else:
                     span.set_attribute("buffer.reason", d.reason)
                     rec = DropRecord(episode_ids=d.episode_ids, reason=d.reason, group_id=d.group_id,
-                                     detail=d.detail, buffer_id=self.buffer_id, waited=d.waited)
+                                     detail=d.detail, buffer_id=self.buffer_id)
                     fut = await self.producer.enqueue(self.names.drops, rec, key=d.group_id)
             self._inflight.append((d, fut))
 

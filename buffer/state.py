@@ -109,7 +109,6 @@ class Decision:
     group_ids: list[str]
     reason: str = ""  # drop reason
     detail: str = ""
-    waited: bool = False  # a stale drop of a group that waited, scored, for the trainer (DropRecord.waited)
     batch: Batch | None = None
     contexts: list[Any] = field(default_factory=list)
 
@@ -343,13 +342,12 @@ class BufferState:
         while len(self._decided_groups) > self.cfg.dedup_window:
             self._decided_groups.popitem(last=False)
 
-    def _drop(self, members: list[Held], reason: str, group_id: str, detail: str = "", *,
-              waited: bool = False) -> Decision:
+    def _drop(self, members: list[Held], reason: str, group_id: str, detail: str = "") -> Decision:
         partition = members[0].partition if members else -1
         return Decision(
             kind="drop", partition=partition, episode_ids=[h.episode.episode_id for h in members],
             offsets=[h.offset for h in members], group_ids=[group_id], reason=reason, detail=detail,
-            contexts=[h.context for h in members if h.context is not None], waited=waited,
+            contexts=[h.context for h in members if h.context is not None],
         )
 
     def _expire(self, now: float) -> None:
@@ -418,8 +416,7 @@ class BufferState:
             )
             for reason, ids in verdict.dropped.items():
                 detail = f"latest version {latest_version}, lag {lag} (while waiting for the trainer)"
-                self._outbox.append(self._drop([members[e] for e in ids], reason, g.group_id, detail,
-                                               waited=reason == Reason.STALE))
+                self._outbox.append(self._drop([members[e] for e in ids], reason, g.group_id, detail))
             if verdict.kept is not None:
                 keep.append(verdict.kept)
                 part.ready_held[g.group_id] = [members[e] for e in verdict.kept.episode_ids]

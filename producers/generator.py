@@ -20,8 +20,7 @@
 Metrics (``runtime.metrics.record_metric``, flushed every ``generator.metrics_every_s`` into
 ``<run_dir>/metrics-<generator id>.jsonl`` with the ``jsonl`` backend): ``generator/tokens_per_s``,
 ``generator/episodes_per_s``, ``generator/prompts``, ``generator/episodes``, ``generator/policy_version``,
-``generator/swaps``, ``generator/in_flight``, ``generator/quota_refunds``, ``generator/quota_surplus_drops`` (stale
-groups that had waited for the trainer, not refunded: ``producers/refunds.py``), ``generator/queue_wait_s``, and per
+``generator/swaps``, ``generator/in_flight``, ``generator/quota_refunds``, ``generator/queue_wait_s``, and per
 group ``generator/reward_mean``,
 ``generator/generate_s`` and ``generator/response_tokens``; with an environment also ``generator/env/turns``,
 ``generator/env/tool_calls`` per episode and the outcome counters ``generator/env/<outcome>`` (``done``,
@@ -304,8 +303,6 @@ class GeneratorRole(Service):
         record_metric("generator/episodes", self.stats["episodes"], "max")
         record_metric("generator/in_flight", len(self.intake.tasks) if self.intake is not None else 0, "max")
         record_metric("generator/quota_refunds", self.backpressure.refunded, "max")
-        if self.refunds is not None:
-            record_metric("generator/quota_surplus_drops", self.refunds.surplus, "max")
         if self.engine is not None:
             record_metric("generator/policy_version", self.engine.version, "max")
             record_metric("generator/swaps", self.engine.swaps, "max")

@@ -8,14 +8,6 @@ dropped before the generator started is not its concern), and for each ``DropRec
 produced (``produced(group_id)``; a bounded memory of recent ids) with one of ``REFUND_REASONS`` it gives that
 group's quota back, once. Zero-variance drops are refunded by the generator itself as soon as it scores a group
 (``Backpressure.scored``); duplicates and overlong single episodes are not whole-group decisions.
-
-A stale group that had waited, scored, for the trainer (``DropRecord.waited``) is not refunded: more groups were
-ready than the trainer could take before they aged, so the quota already held one too many. Refunding it replaced
-it with another group that waited and aged in turn: on SmolLM2 at ``staleness.max_versions: 1`` (bench/realmodel.py)
-46 groups, 31% of what the generator produced, circulated that way, each partial batch (``buffer.max_batch_wait_s``)
-adding to the surplus for good. Not refunded, a surplus group is dropped once; a group held back when the quota was
-not in surplus leaves a batch short, which the buffer cuts after ``max_batch_wait_s`` and the trainer's next step
-gives the quota back.
 """
 
 from __future__ import annotations
@@ -45,7 +37,6 @@ class DropRefunds:
         self.client_id = client_id
         self.consumer: Consumer | None = None
         self.refunded = 0
-        self.surplus = 0  # stale groups that had waited for the trainer: not refunded
         self._mine: OrderedDict[str, bool] = OrderedDict()  # group id -> refunded already
 
     def produced(self, group_id: str) -> None:
@@ -73,9 +64,6 @@ class DropRefunds:
         if drop.reason not in REFUND_REASONS or self._mine.get(drop.group_id, True):
             return False
         self._mine[drop.group_id] = True
-        if drop.reason == "stale" and drop.waited:
-            self.surplus += 1
-            return False
         self.refunded += 1
         self.refund()
         return True

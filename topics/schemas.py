@@ -318,13 +318,7 @@ class SFTExample:
 
 @dataclass(kw_only=True, slots=True)
 class DropRecord:
-    """The buffer's durable decision to drop episodes (stale, zero_variance, overlong, duplicate, incomplete).
-
-    ``waited``: a stale group that had been scored and was waiting for a batch while the trainer was busy with
-    others, i.e. produced ahead of what the trainer could take (the generators give no quota back for it,
-    ``producers/refunds.py``); False for a group already stale when it completed. Records written before the
-    field existed read as False.
-    """
+    """The buffer's durable decision to drop episodes (stale, zero_variance, overlong, duplicate, incomplete)."""
 
     SCHEMA: ClassVar[str] = "drop_record"
     VERSION: ClassVar[int] = 1
@@ -335,7 +329,6 @@ class DropRecord:
     detail: str = ""
     buffer_id: str = ""
     created_at: float = field(default_factory=_now)
-    waited: bool = False
 
 
 @dataclass(kw_only=True, slots=True)

@@ -218,16 +218,8 @@ def test_trainer_behind_caps_batches_and_rechecks_staleness_of_waiting_groups():
     ds = s.take_decisions(now=51, latest_version=3, max_batches=0)
     assert sorted((x.reason, tuple(x.episode_ids)) for x in ds) == [
         (Reason.STALE, ("b/0", "b/1")), (Reason.STALE, ("c/0", "c/1"))]
-    assert all(x.waited for x in ds)  # scored and waiting: produced ahead of the trainer (no quota refund)
     ack_all(s, ds)
     assert s.held == 0 and s.committable() == {0: 6}
-
-
-def test_a_group_stale_when_it_completes_did_not_wait():
-    s = BufferState(cfg(groups_per_batch=1, max_policy_lag=1))
-    feed(s, [ep("a", 0, version=0), ep("a", 1, version=0)])
-    (d,) = s.take_decisions(now=0, latest_version=3)
-    assert d.reason == Reason.STALE and d.episode_ids == ["a/0", "a/1"] and not d.waited
 
 
 def test_waiting_group_partly_stale_is_rescored():
