@@ -7,7 +7,8 @@
   file (the run dir is shared by the job's ranks) and keeps its own shards.
 * ``meta.json``: ``step``, ``policy_version``, ``offsets`` (``{"topic:partition": next_offset}``: the batches
   consumed by this step are exactly those before these offsets), ``recent_batch_ids`` (for deduplication after a
-  restart), ``time``, ``world_size``.
+  restart), ``time``, ``world_size``, ``groups`` (the GRPO groups trained through this step, which the generators'
+  quota counts; -1 in a checkpoint that did not record them).
 * ``hf/``: the policy as a Hugging Face dir a user loads with transformers.
 
 A checkpoint is written into ``step-<n>.tmp`` and renamed when complete, so ``latest_checkpoint`` never returns a
@@ -37,6 +38,7 @@ class CheckpointMeta:
     recent_batch_ids: list[str] = field(default_factory=list)
     time: float = field(default_factory=time.time)
     world_size: int = 1
+    groups: int = -1  # GRPO groups trained through this step (TrainerProgress.groups); -1 = not recorded
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:

@@ -93,6 +93,7 @@ class TrainerRole(Service):
         self.cmd: Commander | None = None
         self.step = 0
         self.version = 0
+        self.groups = 0  # GRPO groups trained over all steps (TrainerProgress.groups); -1 = unknown after a restore
         self.recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.duplicates = 0
         self.trained_episodes = TrainedEpisodes(self.cfg.dedup_window)  # refuses a zombie buffer's batch
@@ -149,6 +150,7 @@ class TrainerRole(Service):
         offsets: dict[str, int] = {}
         if meta is not None:
             self.step, self.version, offsets = meta.step, meta.policy_version, dict(meta.offsets)
+            self.groups = meta.groups
             self.recent.update((b, None) for b in meta.recent_batch_ids)
             self._checkpointed_step = self._published_step = meta.step
             log.info("trainer resumed from step %d (version %d) at offsets %s", self.step, self.version, offsets)
@@ -372,6 +374,8 @@ class TrainerRole(Service):
         self.cmd.step(batch)
         metrics = await asyncio.to_thread(self.engine.step, batch)
         self.step += 1
+        if self.groups >= 0:
+            self.groups += len(set(batch.group_ids))
         for rec in records:
             self.source.advance(rec)
         self.recent[batch.batch_id] = None
@@ -405,7 +409,7 @@ class TrainerRole(Service):
             await self._checkpoint()
 
     def _report_progress(self) -> None:
-        """Write ``TrainerProgress`` (steps trained, the version trained with) to the KV store, in the background:
+        """Write ``TrainerProgress`` (steps and groups trained, the version trained with) to the KV store, in the background:
         buffers count the batches queued for the trainer from it, generators their quota. Writes coalesce (the
         newest wins); a failed one is logged and the next step's replaces it."""
         if self.publisher is None:
@@ -413,7 +417,8 @@ class TrainerRole(Service):
         consumed = sum(self.source.offsets.values()) if self.source is not None else -1
         self._progress_due = TrainerProgress(step=self.step, version=self.version,
                                              published_step=self._published_step, consumed=consumed,
-                                             publish_every=self.cfg.publish_every, trainer_id=self.trainer_id)
+                                             publish_every=self.cfg.publish_every, groups=self.groups,
+                                             trainer_id=self.trainer_id)
         if self._progress_task is None or self._progress_task.done():
             self._progress_task = asyncio.ensure_future(self._write_progress())
 
@@ -473,7 +478,7 @@ class TrainerRole(Service):
 
     async def _checkpoint(self) -> None:
         meta = CheckpointMeta(step=self.step, policy_version=self.version, offsets=dict(self.source.offsets),
-                              recent_batch_ids=list(self.recent), world_size=self.d.world_size)
+                              recent_batch_ids=list(self.recent), world_size=self.d.world_size, groups=self.groups)
         self.cmd.checkpoint(meta)
         with _tracer.start_as_current_span("trainer.checkpoint", attributes={"step": self.step}):
             path = await asyncio.to_thread(self.engine.save, meta)

@@ -59,6 +59,9 @@ class GeneratorConfig:
     # the quota holds at most this many trainer steps of groups beyond the trainer's latest published step
     # (derived from staleness.max_versions: streamforge/staleness.py)
     quota_window_steps: int = 3
+    # the groups of a full batch (buffer.groups_per_batch, derived): the quota counts the trainer's steps in groups
+    # trained over it, so a batch cut short opens it by the groups it held (producers/flow.py); 0 = in steps
+    quota_groups_per_batch: int = 0
     quota_counts_zero_variance: bool = True  # False: a group whose rewards are all equal does not use the quota
     # liveness guard of the quota (producers/flow.py); 0 = three times the recent interval between versions, >= 2 s
     backpressure_stall_s: float = 0.0
@@ -96,6 +99,8 @@ class GeneratorConfig:
             raise ConfigError("generator.groups_per_step", "must be >= 0 (0 = no quota)")
         if self.system_prompt and not self.chat_template:
             raise ConfigError("generator.system_prompt", "needs generator.chat_template: true")
+        if self.quota_groups_per_batch < 0:
+            raise ConfigError("generator.quota_groups_per_batch", "must be >= 0 (0 = count the quota in steps)")
         if self.quota_window_steps < 1:
             raise ConfigError("generator.quota_window_steps", "must be at least 1")
         if self.metrics_every_s <= 0:

@@ -14,13 +14,17 @@ buffer deduplicates what was produced twice).
   publication is still in flight): what older weights sample would be too stale to train. It resumes when the
   weight receiver loads a newer version. Before any version is known this never throttles.
 * and, when ``groups_per_step > 0`` (this generator's share of the groups the trainer trains per step),
-  ``taken < floor((latest_step - start_step + window_steps) * groups_per_step + phase) + granted``: ``taken``
-  counts the prompts this generator took, ``latest_step`` is the trainer's step (its progress after every step, or
-  the step of the newest PolicyVersion) and ``start_step`` the one of the version in the store when the generator
-  started (0 in a new run). So it holds at most ``window_steps`` trainer steps of groups beyond what the trainer
-  has trained and published (AReaL's bounded off-policyness, counted in steps so a version that covers several
-  steps is counted right), also before the first version: a generator never floods a run whose trainer is still
-  starting.
+  ``taken < floor((trained + window_steps) * groups_per_step + phase) + granted``: ``taken`` counts the prompts
+  this generator took and ``trained`` the trainer steps since the generator started, in groups: the groups the
+  trainer has trained since (``TrainerProgress.groups``, after every step) over ``groups_per_batch`` (the groups a
+  full batch holds). So it holds at most ``window_steps`` full batches of groups beyond what the trainer has
+  trained (AReaL's bounded off-policyness), also before the first version: a generator never floods a run whose
+  trainer is still starting. Counted in groups, a batch the buffer cut short (``buffer.max_batch_wait_s``) opens
+  the quota by the groups it trained, not by a whole batch: counted in steps, every short batch widened the window
+  by the groups it lacked, and the surplus aged in the buffer until it was dropped as stale (a third of what the
+  generator made on SmolLM2 at staleness 1). With no group count (``groups_per_batch`` 0, or a trainer that does
+  not report it) ``trained`` is ``latest_step - start_step``: the trainer's step (its progress, or the step of the
+  newest PolicyVersion) less the one in the store when the generator started (0 in a new run).
 * The share may be fractional: with more generators than groups per batch (256 generators, 64 groups a batch:
   a quarter group a step each) a generator takes one group every four steps. ``phase`` (``quota_phase``, in
   [0, 1), from the generator's id) staggers when: the generators' phases are spread evenly, so the fleet's quotas
@@ -147,6 +151,9 @@ class Backpressure:
     count_zero_variance: bool = True
     phase: float = 0.0  # in [0, 1): where this generator's fractional quota steps up (``quota_phase``)
     start_step: int = 0  # the trainer step of the version in the store when this generator started
+    groups_per_batch: int = 0  # groups in a full batch (the fleet's groups per step); 0 = count the quota in steps
+    start_groups: int = 0  # the groups the trainer had trained when this generator started (-1 = not reported)
+    latest_groups: int = -1  # the groups it has trained now (its progress), -1 before any report or not reported
     latest: int | None = None  # newest published version, None before the first
     latest_step: int = 0  # its trainer step
     trainer_version: int = -1  # the version the trainer trains with (its progress), -1 before any
@@ -155,9 +162,13 @@ class Backpressure:
     refunded: int = 0  # zero-variance groups given back
     _seen_at: deque[float] = field(default_factory=lambda: deque(maxlen=6))  # when the last versions arrived
 
-    def started_at(self, step: int) -> None:
-        """The generator starts while the store holds a version of trainer step ``step`` (a restart, a late join)."""
+    def started_at(self, step: int, groups: int | None = None) -> None:
+        """The generator starts while the store holds a version of trainer step ``step`` (a restart, a late join),
+        and the trainer has trained ``groups`` groups (its progress; -1 = not reported, None = no progress yet)."""
         self.start_step = self.latest_step = max(0, step)
+        if groups is None:  # no progress in the store: a new run counts from 0; a version without one, in steps
+            groups = 0 if step <= 0 else -1
+        self.start_groups = self.latest_groups = groups
 
     def published(self, version: int, step: int | None = None, now: float | None = None) -> None:
         if self.latest is None or version > self.latest:
@@ -167,10 +178,12 @@ class Backpressure:
         if step is not None:
             self.latest_step = max(self.latest_step, step)
 
-    def progressed(self, step: int, version: int | None = None) -> None:
-        """The trainer has trained ``step`` steps and trains with ``version`` now (its progress, after every
-        step; the version counts a publication still in flight)."""
+    def progressed(self, step: int, version: int | None = None, groups: int = -1) -> None:
+        """The trainer has trained ``step`` steps (``groups`` groups, -1 if not reported) and trains with
+        ``version`` now (its progress, after every step; the version counts a publication still in flight)."""
         self.latest_step = max(self.latest_step, step)
+        if groups >= 0:
+            self.latest_groups = max(self.latest_groups, groups)
         if version is not None:
             self.trainer_version = max(self.trainer_version, version)
 
@@ -191,8 +204,14 @@ class Backpressure:
         """Prompts this generator may have taken by now (None: unlimited)."""
         if self.groups_per_step <= 0:
             return None
-        steps = self.latest_step - self.start_step + self.window_steps
-        return math.floor(steps * self.groups_per_step + self.phase + 1e-9) + self.granted
+        return math.floor((self.trained() + self.window_steps) * self.groups_per_step + self.phase + 1e-9) + self.granted
+
+    def trained(self) -> float:
+        """Trainer steps since this generator started, counted in full batches of groups when the trainer
+        reports its groups (module docstring), else in steps."""
+        if self.groups_per_batch > 0 and self.start_groups >= 0 and self.latest_groups >= 0:
+            return max(0, self.latest_groups - self.start_groups) / self.groups_per_batch
+        return self.latest_step - self.start_step
 
     def stall_s(self) -> float:
         """How long the quota may block intake, with nothing in flight, before ``grant()`` (module docstring)."""
@@ -232,5 +251,6 @@ class Backpressure:
                     f"(lag > {self.max_policy_lag})")
         if self.ahead():
             return (f"{self.taken} prompts taken, quota {self.quota()} at trainer step {self.latest_step} "
+                    f"({self.trained():.2f} batches trained since this generator started) "
                     f"(ahead of the trainer)")
         return ""

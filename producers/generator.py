@@ -96,7 +96,8 @@ class GeneratorRole(Service):
         self.backpressure = Backpressure(cfg.max_policy_lag, cfg.groups_per_step, cfg.quota_window_steps,
                                          stall_s_config=cfg.backpressure_stall_s,
                                          count_zero_variance=cfg.quota_counts_zero_variance,
-                                         phase=quota_phase(self.generator_id))
+                                         phase=quota_phase(self.generator_id),
+                                         groups_per_batch=cfg.quota_groups_per_batch)
         self.offsets = OffsetTracker()  # the intake's: which prompt offsets may be committed
         self.rewards: RewardSet | None = None
         self.producer: Producer | None = None
@@ -164,8 +165,8 @@ class GeneratorRole(Service):
         current, _ = await self.store.latest_good(on_bad=self._dead_letter_value)
         progress = await self.store.progress()
         steps = [x.step for x in (current, progress) if x is not None]
-        if steps:  # a restart or a late join: the quota counts from the trainer's step now
-            self.backpressure.started_at(max(steps))
+        if steps:  # a restart or a late join: the quota counts from the trainer's step (and groups) now
+            self.backpressure.started_at(max(steps), progress.groups if progress is not None else None)
         if self.weightsync is not None:
             from weightsync.receiver import WeightReceiver
 
@@ -283,7 +284,7 @@ class GeneratorRole(Service):
         what the trainer has trained, not only what it has published."""
         assert self.store is not None and self.intake is not None
         async for progress in self.store.watch_progress(on_bad=self._dead_letter_value):
-            self.intake.progressed(progress.step, progress.version)
+            self.intake.progressed(progress.step, progress.version, progress.groups)
         raise StreamforgeError("the trainer-progress watch ended", retriable=True)
 
     async def _metrics(self) -> None:

@@ -88,9 +88,9 @@ class Intake:
         self.backpressure.published(version, step, time.monotonic())
         self._wake.set()
 
-    def progressed(self, step: int, version: int | None = None) -> None:
-        """The trainer has trained ``step`` steps, with ``version``: the quota may open."""
-        self.backpressure.progressed(step, version)
+    def progressed(self, step: int, version: int | None = None, groups: int = -1) -> None:
+        """The trainer has trained ``step`` steps (``groups`` groups), with ``version``: the quota may open."""
+        self.backpressure.progressed(step, version, groups)
         self._wake.set()
 
     def close(self) -> None:

@@ -21,7 +21,9 @@ sets them explicitly they are derived from ``S`` (``derived_values``); ``P`` is 
   at most ``G`` versions older than the trainer's (the version the trainer trains with, from its progress: a
   publication in flight counts);
 * the generators' quota (``producers/flow.py``): ``generator.groups_per_step`` = ``buffer.groups_per_batch / N``
-  (0, no quota, when batches are cut by ``buffer.token_budget``) and ``generator.quota_window_steps`` (``W``) =
+  (0, no quota, when batches are cut by ``buffer.token_budget``), counted in the groups the trainer trained over
+  ``generator.quota_groups_per_batch`` = ``buffer.groups_per_batch`` (a batch cut short opens the quota by the
+  groups it held), and ``generator.quota_window_steps`` (``W``) =
   ``(S - G) * P + 1``: a generator holds at most ``W`` trainer steps of groups beyond the trainer's step, so, taken
   in order, a group is trained at most ``S - G`` versions after it was taken, by weights at most ``G`` older, and
   the generator is throttled instead of producing what the buffer would drop. ``W`` counts every group taken and
@@ -60,7 +62,8 @@ from topics.errors import ConfigError
 UNBOUNDED_LAG = 1_000_000  # the lags of staleness.max_versions -1: nothing is ever that stale
 # the keys derived from staleness.max_versions unless a config layer sets them
 DERIVED_KEYS = ("buffer.max_batches_ahead", "buffer.max_policy_lag", "generator.max_policy_lag",
-                "generator.groups_per_step", "generator.quota_window_steps", "generator.quota_counts_zero_variance")
+                "generator.groups_per_step", "generator.quota_groups_per_batch", "generator.quota_window_steps",
+                "generator.quota_counts_zero_variance")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -111,6 +114,7 @@ def derived_values(config: Any) -> dict[str, Any]:
         "buffer.max_policy_lag": s.buffer_lag,
         "generator.max_policy_lag": s.generator_lag,
         "generator.groups_per_step": round(per_step, 6),
+        "generator.quota_groups_per_batch": config.buffer.groups_per_batch if per_step > 0 else 0,
         "generator.quota_window_steps": window,
         "generator.quota_counts_zero_variance": not config.buffer.filter_zero_variance,
     }

@@ -261,13 +261,17 @@ class TrainerProgress:
     ``progress``). Buffers count the batches queued for the trainer from it, generators their quota."""
 
     SCHEMA: ClassVar[str] = "trainer_progress"
-    VERSION: ClassVar[int] = 1
+    VERSION: ClassVar[int] = 2
+    OLDER_VERSIONS: ClassVar[tuple[int, ...]] = (1,)  # decoded into this class, ``groups`` defaulted (not reported)
 
     step: int  # optimizer steps trained
     version: int  # the policy version it trains with (its latest publication, in flight or done)
     published_step: int = 0  # the step that publication covers: steps after it are not published yet
     publish_every: int = 1  # trainer.publish_every: at most one version per this many steps
     consumed: int = -1  # records of the batches topic it has consumed (trained, refused, skipped); -1 = unknown
+    # (v2) GRPO groups trained over all steps (restored with a checkpoint): generators count their quota in them;
+    # -1 = not reported (a v1 record, or a trainer resumed from a checkpoint that did not record them)
+    groups: int = -1
     trainer_id: str = ""
     created_at: float = field(default_factory=_now)
 

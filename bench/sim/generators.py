@@ -58,7 +58,8 @@ class SimGenerator:
         g = fleet.cfg.generator
         self.bp = Backpressure(max_policy_lag=g.max_policy_lag, groups_per_step=g.groups_per_step,
                                window_steps=g.quota_window_steps, stall_s_config=g.backpressure_stall_s,
-                               count_zero_variance=g.quota_counts_zero_variance, phase=quota_phase(gen_id))
+                               count_zero_variance=g.quota_counts_zero_variance, phase=quota_phase(gen_id),
+                               groups_per_batch=g.quota_groups_per_batch)
         self.rng = np.random.default_rng(seed)
         self.version = 0  # the weights' policy version
         self.target = 0  # the newest version announced
@@ -290,7 +291,7 @@ class Fleet:
         """Every generator hears the trainer's progress (KV watch). Runs until cancelled."""
         async for p in store.watch_progress():
             for g in self.gens:
-                g.bp.progressed(p.step, p.version)
+                g.bp.progressed(p.step, p.version, p.groups)
                 g.changed.set()
 
     async def run(self) -> dict:
@@ -305,7 +306,7 @@ class Fleet:
         steps = [x.step for x in (current, progress) if x is not None]
         for g in self.gens:
             if steps:
-                g.bp.started_at(max(steps))
+                g.bp.started_at(max(steps), progress.groups if progress is not None else None)
             if current is not None:
                 g.version = g.target = current.version
         loops = [self.watch_versions(store), self.watch_progress(store)]

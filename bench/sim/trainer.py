@@ -49,6 +49,7 @@ class SimTrainer:
         self.max_staleness = s if s >= 0 else None
         self.wait_rounds = self.cfg.trainer.publish_busy == "wait"
         self.step = 0
+        self.groups = 0  # groups trained (TrainerProgress.groups: the generators' quota counts them)
         self.version = 0
         self.published_step = 0
         self.round: asyncio.Task | None = None
@@ -118,6 +119,7 @@ class SimTrainer:
             t0 = time.time()
             await asyncio.sleep(tokens / self.model.trainer_tokens_per_s / self.model.time_scale)
             self.step += 1
+            self.groups += len(set(batch.group_ids))
             self.source.advance(rec)
             self.ledger.record(step=self.step, policy_version=self.version, batch_ids=[batch.batch_id],
                                episode_ids=batch.episode_ids)
@@ -149,7 +151,7 @@ class SimTrainer:
         await self.store.put_progress(TrainerProgress(
             step=self.step, version=self.version, published_step=self.published_step,
             publish_every=self.cfg.trainer.publish_every, consumed=sum(self.source.offsets.values()),
-            trainer_id="simtrainer"))
+            groups=self.groups, trainer_id="simtrainer"))
 
 
 def main() -> None:

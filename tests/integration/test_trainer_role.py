@@ -7,6 +7,7 @@ behaviour logprobs, advantages), produced to the run's ``batches`` topic with th
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -66,6 +67,16 @@ async def latest_version(cfg):
         await nc.close()
 
 
+async def trainer_progress(cfg):
+    nc = await connect(cfg.nats, name="test")
+    try:
+        store = PolicyStore(nc, cfg.names)
+        await store.start()
+        return await store.progress()
+    finally:
+        await nc.close()
+
+
 @pytest.mark.timeout(180)
 async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     from streamforge.roles import build_role
@@ -101,6 +112,8 @@ async def test_batches_in_versions_out(run_config, tiny_dir: Path):
     assert pv is not None and pv.version == 3 and pv.step == 3 and pv.transport == "file"
     assert pv.batch_ids == ["batch-002"]
     assert Path(pv.path).exists()
+    progress = await trainer_progress(cfg)  # a group a batch: the generators' quota counts them
+    assert progress is not None and progress.step == 3 and progress.groups == 3
 
     import orjson
     rows = [orjson.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_bytes().splitlines()]
@@ -251,6 +264,10 @@ async def test_sigkill_after_checkpoint_restart_trains_each_batch_once(run_confi
     # restart continues after the store's latest, so versions never go backwards: 8 more from there
     assert pv is not None and pv.step == total and pv.version in (6 + total - 4, 7 + total - 4)
     assert "resumed from step 4" in (cfg.run_dir.parent / "trainer2.log").read_text()
+    # the groups trained come back with the checkpoint of step 4, and the 8 steps after it add theirs
+    assert json.loads((cfg.run_dir / "checkpoints" / f"step-{total}" / "meta.json").read_text())["groups"] == total
+    progress = await trainer_progress(cfg)
+    assert progress is not None and progress.step == total and progress.groups == total
 
 
 @pytest.mark.timeout(180)

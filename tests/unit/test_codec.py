@@ -395,3 +395,15 @@ def test_a_version_1_batch_decodes_without_the_episode_offsets() -> None:
     out = codec.decode(msgpack.packb(old, use_bin_type=True), expect=schemas.Batch)
     assert type(out) is schemas.Batch and out.episode_offsets.size == 0 and out.episode_partitions.size == 0
     assert out.batch_id == "b" and out.input_ids.shape == (2, 3)
+
+
+def test_a_version_1_trainer_progress_decodes_with_its_groups_not_reported() -> None:
+    """TrainerProgress v2 added ``groups`` (what the generators' quota counts); a v1 record in the KV store decodes
+    with ``groups`` -1, which the generators read as "count in steps"."""
+    progress = schemas.TrainerProgress(step=7, version=3, groups=25)
+    assert codec.decode(codec.encode(progress)).groups == 25
+    old = codec.to_wire(progress)
+    old["v"] = 1
+    del old["groups"]
+    out = codec.decode(msgpack.packb(old, use_bin_type=True), expect=schemas.TrainerProgress)
+    assert type(out) is schemas.TrainerProgress and out.groups == -1 and out.step == 7

@@ -118,6 +118,44 @@ def test_a_restarted_generator_counts_from_the_trainers_step_when_it_started():
     assert bp.quota() == 7  # floor(3 * 2.5)
 
 
+def test_a_batch_cut_short_opens_the_quota_by_the_groups_it_held():
+    """Counted in groups trained, short batches (``buffer.max_batch_wait_s``) do not widen the window: the surplus
+    that a step-counted quota let through aged in the buffer and was dropped as stale."""
+    groups = Backpressure(max_policy_lag=0, groups_per_step=4, window_steps=2, groups_per_batch=4)
+    steps = Backpressure(max_policy_lag=0, groups_per_step=4, window_steps=2)
+    groups.started_at(0, None)  # a new run: no progress in the store, the groups count from 0
+    assert groups.quota() == steps.quota() == 8
+    trained = 0
+    for step in range(1, 11):  # ten batches of 3 groups of the 4 a batch holds
+        trained += 3
+        for bp in (groups, steps):
+            bp.progressed(step, version=step, groups=trained)
+    assert groups.quota() == 30 + 8  # the groups trained, plus the window of two full batches
+    assert steps.quota() == 40 + 8  # counted in steps: ten groups more than the trainer took
+    groups.took(38)
+    assert "7.50 batches trained" in groups.reason(10)
+
+
+def test_the_group_count_falls_back_to_steps_where_the_trainer_does_not_report_it():
+    old = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1, groups_per_batch=2)
+    old.progressed(3, version=3)  # a v1 TrainerProgress: no groups
+    assert old.quota() == (3 + 1) * 2
+    resumed = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1, groups_per_batch=2)
+    resumed.started_at(10, -1)  # a trainer resumed from a checkpoint that did not record them
+    resumed.progressed(12, version=12, groups=-1)
+    assert resumed.quota() == (2 + 1) * 2
+    late = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1, groups_per_batch=2)
+    late.started_at(10, 17)  # a late join: counts from the groups trained when it started
+    late.progressed(11, version=11, groups=19)
+    assert late.quota() == 2 + 2
+    late.progressed(11, version=11, groups=18)  # an older report (a trainer restarted from its checkpoint) lowers nothing
+    assert late.quota() == 4
+    no_progress = Backpressure(max_policy_lag=0, groups_per_step=2, window_steps=1, groups_per_batch=2)
+    no_progress.started_at(10, None)  # a version in the store but no progress: in steps
+    no_progress.progressed(11, version=11, groups=40)
+    assert no_progress.quota() == (1 + 1) * 2
+
+
 def test_backpressure_rate_matches_the_trainer_over_many_steps():
     """Cumulative, not reset per version: over k steps the generator takes (k + window) * groups_per_step."""
     bp = Backpressure(max_policy_lag=2, groups_per_step=3, window_steps=2)

@@ -33,9 +33,11 @@ def test_bounds_derive_from_the_one_setting(s: int, ahead: int, gen_lag: int, wi
 def test_quota_is_each_generators_share_of_a_steps_groups() -> None:
     c = load("--buffer.groups_per_batch=8", "--trainer.publish_every=2", "--up.generators=3")
     assert c.generator.groups_per_step == pytest.approx(8 / 3)
+    assert c.generator.quota_groups_per_batch == 8  # the trainer's steps counted in full batches of groups
     # (S - G) * P + 1 steps: with a version every P steps, a group taken W steps ahead is (W - 1) / P versions old
     assert c.generator.quota_window_steps == 7
     assert load("--buffer.token_budget=4096").generator.groups_per_step == 0  # groups per batch unknown
+    assert load("--buffer.token_budget=4096").generator.quota_groups_per_batch == 0
     assert not load().generator.quota_counts_zero_variance  # the buffer filters them: they use no quota
     assert load("--buffer.filter_zero_variance=false").generator.quota_counts_zero_variance
 

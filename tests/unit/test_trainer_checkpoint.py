@@ -57,10 +57,12 @@ def test_resume_from_checkpoint_equals_uninterrupted(tiny_dir: Path, tmp_path: P
     pol, opt, sched = fresh(tiny_dir, cfg)
     for s in range(2):
         rl_step(pol.model, opt, sched, loss, inputs(s))
-    meta = CheckpointMeta(step=2, policy_version=2, offsets={"x.batches:0": 2}, recent_batch_ids=["a", "b"])
+    meta = CheckpointMeta(step=2, policy_version=2, offsets={"x.batches:0": 2}, recent_batch_ids=["a", "b"],
+                          groups=8)
     path = save_checkpoint(tmp_path, pol, opt, sched, meta, d, keep=1)
     assert path == latest_checkpoint(tmp_path) and (path / "hf" / "model.safetensors").exists()
     assert read_meta(path).offsets == {"x.batches:0": 2}
+    assert read_meta(path).groups == 8  # the generators' quota counts from it after a restart
     assert json.loads((path / "meta.json").read_text())["recent_batch_ids"] == ["a", "b"]
 
     pol, opt, sched = fresh(tiny_dir, cfg)
