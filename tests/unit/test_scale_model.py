@@ -15,7 +15,7 @@ from bench.sim.model import FleetModel
 
 def _generator(model: FleetModel) -> SimGenerator:
     generator = SimpleNamespace(max_policy_lag=1, groups_per_step=0.0, quota_window_steps=3, backpressure_stall_s=0.0,
-                                quota_counts_zero_variance=False)
+                                quota_counts_zero_variance=False, quota_groups_per_batch=0)
     return SimGenerator("sim0", SimpleNamespace(model=model, cfg=SimpleNamespace(generator=generator)), seed=0)
 
 
