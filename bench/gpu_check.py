@@ -14,6 +14,15 @@
 Prints one JSON object per part and ends with one JSON line ``{"bench": "gpu_check", ...}``. It needs torch with
 CUDA, torchtitan (and its imports), safetensors, transformers, msgpack and orjson; nothing else of the project's
 dependencies. Without CUDA it prints ``{"bench": "gpu_check", "skipped": ...}`` and exits 0 (``make bench`` runs it).
+
+On the lent GPU machine (its own image: torch 2.11 with CUDA, transformers, safetensors, msgpack; no network) carry
+the rest as wheels in a folder git ignores: here, ``pip download --no-deps --only-binary=:all: --python-version 3.12
+--implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform
+manylinux_2_28_x86_64 -d .gpuwheels torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring_parser==0.18.0
+typeguard==4.6.1 orjson==3.13.0 msgspec==0.23.0``; there, ``python3 -m pip install --no-deps --no-index --target
+/tmp/wh .gpuwheels/*.whl`` and ``PYTHONPATH=/tmp/wh:$PWD python3 bench/gpu_check.py --out $OUT``. torchtitan 0.3.0
+imports ``torch.distributed.fsdp.DataParallelMeshDims`` (torch >= 2.13) at module import; one GPU uses no FSDP, so
+on an older torch the check defines a placeholder for that name (below) and says so in its ``env`` part.
 """
 
 from __future__ import annotations
@@ -29,6 +38,16 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.fsdp as _fsdp
+
+FSDP_PLACEHOLDER = not hasattr(_fsdp, "DataParallelMeshDims")
+if FSDP_PLACEHOLDER:  # torch < 2.13 (module docstring): a name torchtitan imports, never used on one GPU
+
+    class _NoMeshDims:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("torch.distributed.fsdp.DataParallelMeshDims needs torch >= 2.13")
+
+    _fsdp.DataParallelMeshDims = _NoMeshDims
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -185,7 +204,7 @@ def main() -> int:
         print(json.dumps({"bench": "gpu_check", "skipped": "no CUDA device"}), flush=True)
         return 0
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda}
-    print(json.dumps({"part": "env", **env}), flush=True)
+    print(json.dumps({"part": "env", **env, "fsdp_placeholder": FSDP_PLACEHOLDER}), flush=True)
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     results: dict[str, dict] = {}
     eng = None
