@@ -56,6 +56,11 @@ class TrainerConfig:
     # the cores the trainer runs on, a CPU list such as "1" or "2-7" ("" = any); its torch threads default to their
     # number. On a CPU host this keeps the trainer off the generator's engine cores (runtime/cpus.py)
     cpus: str = ""
+    # the samples of a group share their prompt: run it through the model once per group, not once per sample
+    # (consumers/prefix.py; padded batches, mode rl). Each row holds a group's prompt and its samples' responses,
+    # at most shared_prefix_tokens tokens (the dense attention mask grows with its square)
+    shared_prefix: bool = False
+    shared_prefix_tokens: int = 1024
 
     def __post_init__(self) -> None:
         check_choices(self, "trainer")
@@ -96,6 +101,8 @@ class TrainerConfig:
             raise ConfigError("trainer.threads", "must be >= 0 (0 = torch's default)")
         if self.autocast and self.dtype != "float32":
             raise ConfigError("trainer.autocast", "keeps float32 master weights: it needs trainer.dtype float32")
+        if self.shared_prefix_tokens < 2:
+            raise ConfigError("trainer.shared_prefix_tokens", "must be at least 2")
         parse_cpus(self.cpus, key="trainer.cpus")
 
     @property

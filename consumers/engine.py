@@ -93,10 +93,12 @@ class TrainEngine:
                               proximal=self._proximal if wants_proximal(self.loss_fn) else None)
 
     def _inputs(self, batch: Batch) -> StepInputs:
-        """This rank's share of ``batch`` as tensors (the whole batch when the rows are not split)."""
-        if not self.split:
-            return batch_inputs(batch, self.d.device)
-        return batch_inputs(split_rows(batch, self.d.dp_rank, self.d.dp)[0], self.d.device)
+        """This rank's share of ``batch`` as tensors (the whole batch when the rows are not split), in
+        shared-prefix rows with ``trainer.shared_prefix`` (mode rl)."""
+        if self.split:
+            batch = split_rows(batch, self.d.dp_rank, self.d.dp)[0]
+        shared = self.cfg.shared_prefix_tokens if self.cfg.shared_prefix and self.cfg.mode == "rl" else 0
+        return batch_inputs(batch, self.d.device, shared_prefix_tokens=shared)
 
     def _proximal(self, batch: Batch) -> torch.Tensor:
         """The current weights' logprobs of this rank's share of ``batch``, without autograd (collective under FSDP)."""
@@ -107,7 +109,7 @@ class TrainEngine:
         """One optimizer step on ``batch`` (this rank's share of its rows under dp); returns global metrics."""
         rl = {"prox_logprobs": prox, "advance_schedule": advance_schedule}
         if not self.split:
-            inputs = batch_inputs(batch, self.d.device)
+            inputs = self._inputs(batch)
             if self.cfg.mode == "sft":
                 return sft_step(self.policy.model, self.opt, self.sched, inputs.input_ids, inputs.mask,
                                 grad_clip=self.cfg.grad_clip)
@@ -115,8 +117,8 @@ class TrainEngine:
                            grad_clip=self.cfg.grad_clip, ref_model=self.ref_model, temperature=self.temperature,
                            **rl)
         totals = batch_totals(batch)
-        share, real_rows = split_rows(batch, self.d.dp_rank, self.d.dp)
-        inputs = batch_inputs(share, self.d.device)
+        real_rows = split_rows(batch, self.d.dp_rank, self.d.dp)[1]
+        inputs = self._inputs(batch)
         if self.cfg.mode == "sft":
             def loss_fn(logprobs, mask):
                 loss, metrics = sft_loss(logprobs, mask, totals=totals)

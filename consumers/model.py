@@ -245,7 +245,8 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
                    with_entropy: bool = False, position_ids: torch.Tensor | None = None,
                    segment_ids: torch.Tensor | None = None,
                    scored: torch.Tensor | None = None,
-                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   entropy_grad: bool = True, attn_mask: torch.Tensor | None = None,
+                   prev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probabilities aligned with the Batch convention (``topics/schemas.py``).
 
     ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``t >= 1`` and ``out[b, 0] = 0``: the model's
@@ -263,7 +264,14 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
     lm_head over a 49k vocabulary is a large share of a step, and prompt positions need none of it); a sharded
     model (DTensor lm_head) computes every position as without it. Under ``torch.autocast`` (``trainer.autocast``)
     that projection runs in fp32: bf16 logits would move the logprobs, and the importance ratio, by ~0.05 nats.
+
+    Shared-prefix rows (``consumers/prefix.py``): ``attn_mask`` (``[R, 1, T, T]`` bool), ``position_ids``,
+    ``scored`` and ``prev`` (``[R, T]``: the column whose hidden state predicts each token); ``out[r, t]`` is then
+    the logprob of ``input_ids[r, t]`` from the hidden state at ``prev[r, t]``, at the scored positions only.
     """
+    if prev is not None:
+        return _prefix_logprobs(model, input_ids, position_ids, attn_mask, prev, scored, temperature=temperature,
+                                with_entropy=with_entropy, entropy_grad=entropy_grad)
     args = (input_ids.long(),)
     if segment_ids is not None:
         if position_ids is None:
@@ -307,6 +315,46 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
         first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
         out = out.masked_fill(first, 0.0)
         ent = ent.masked_fill(first, 0.0) if ent is not None else None
+    return out, ent
+
+
+def _prefix_logprobs(model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                     attn_mask: torch.Tensor | None, prev: torch.Tensor, scored: torch.Tensor | None, *,
+                     temperature: float, with_entropy: bool, entropy_grad: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``token_logprobs`` of shared-prefix rows: each scored token from the hidden state at ``prev``."""
+    if position_ids is None or attn_mask is None or scored is None:
+        raise ValueError("shared-prefix rows need position_ids, attn_mask and scored with prev")
+    _allow_dense_masks(model)
+    args = (input_ids.long(), position_ids.long(), attn_mask)
+    where = scored.bool()
+    row, col = where.nonzero(as_tuple=True)
+    src = prev[row, col]
+    head = _local_lm_head(model)
+    if head is None:  # a sharded head: every position's logits, then the scored ones
+        logits = model(*args)[row, src].float()
+    else:
+        model._skip_lm_head = True
+        try:
+            hidden = model(*args)
+        finally:
+            model._skip_lm_head = False
+        picked = hidden[row, src]
+        if torch.is_autocast_enabled(picked.device.type):  # the logprobs' own projection in fp32, as above
+            with torch.autocast(picked.device.type, enabled=False):
+                logits = head(picked.float()).float()
+        else:
+            logits = head(picked).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = logp_all.gather(-1, input_ids[row, col].long().unsqueeze(-1)).squeeze(-1)
+    out = torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).index_put((row, col), lp)
+    ent = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            e = -(logp_all.exp() * logp_all).sum(-1)
+            ent = torch.zeros(where.shape, dtype=e.dtype, device=e.device).index_put((row, col), e)
     return out, ent
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from consumers.losses import LossFn, sft_loss, wants_entropy_grad
 from consumers.model import token_logprobs
+from consumers.prefix import attention_mask, shared_prefix_layout
 from topics.schemas import Batch
 
 
@@ -29,7 +30,8 @@ class StepInputs:
     ``token_logprobs`` returns for those rows back to the ``[B, T]`` episode layout (``unpack_index`` holds each
     episode token's flat index into the rows, ``unpack_valid`` where an episode has a token), so every loss sees
     the same tensors whichever layout the buffer chose. ``scored`` marks the response tokens in the layout the
-    model runs on: the only positions whose logprobs the loss reads.
+    model runs on: the only positions whose logprobs the loss reads. Shared-prefix rows (``trainer.shared_prefix``,
+    ``consumers/prefix.py``) map back the same way and add ``attn_mask`` and ``prev``.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +43,8 @@ class StepInputs:
     unpack_index: torch.Tensor | None = None
     unpack_valid: torch.Tensor | None = None
     scored: torch.Tensor | None = None  # the response positions in the layout of ``input_ids`` (``token_logprobs``)
+    attn_mask: torch.Tensor | None = None  # shared-prefix rows (consumers/prefix.py): the dense attention mask
+    prev: torch.Tensor | None = None  # shared-prefix rows: the column predicting each token
 
     @property
     def tokens(self) -> int:
@@ -69,10 +73,14 @@ def _tensor(x: np.ndarray, dtype: torch.dtype, device: torch.device | str) -> to
     return torch.as_tensor(np.ascontiguousarray(x), dtype=dtype, device=device)
 
 
-def batch_inputs(batch: Batch, device: torch.device | str = "cpu") -> StepInputs:
+def batch_inputs(batch: Batch, device: torch.device | str = "cpu", *, shared_prefix_tokens: int = 0) -> StepInputs:
+    """The batch as tensors: padded rows, the buffer's packed rows, or (``shared_prefix_tokens`` > 0, padded
+    batches) shared-prefix rows of at most that many tokens (``consumers/prefix.py``)."""
     t = min(trim_width(batch), batch.input_ids.shape[1])
     if batch.packed:
         return _packed_inputs(batch, t, device)
+    if shared_prefix_tokens > 0:
+        return _prefix_inputs(batch, t, device, shared_prefix_tokens)
     mask = _tensor(batch.loss_mask[:, :t], torch.float32, device)
     return StepInputs(
         input_ids=_tensor(batch.input_ids[:, :t], torch.long, device),
@@ -111,6 +119,29 @@ def _packed_inputs(batch: Batch, w: int, device: torch.device | str) -> StepInpu
     )
 
 
+def _prefix_inputs(batch: Batch, t: int, device: torch.device | str, row_tokens: int) -> StepInputs:
+    rows = shared_prefix_layout(batch, t, row_tokens)
+    b, w = rows.unpack_index.shape
+    width = min(w, t)
+    mask = np.zeros((b, w), np.float32)
+    old = np.zeros((b, w), np.float32)
+    mask[:, :width] = batch.loss_mask[:, :width]
+    old[:, :width] = batch.old_logprobs[:, :width]
+    seg = _tensor(rows.segment_ids, torch.long, device)
+    return StepInputs(
+        input_ids=_tensor(rows.input_ids, torch.long, device),
+        mask=_tensor(mask * rows.unpack_valid, torch.float32, device),
+        old_logprobs=_tensor(old * rows.unpack_valid, torch.float32, device),
+        advantages=_tensor(batch.advantages, torch.float32, device),
+        position_ids=_tensor(rows.position_ids, torch.long, device),
+        unpack_index=_tensor(rows.unpack_index, torch.long, device),
+        unpack_valid=_tensor(rows.unpack_valid, torch.bool, device),
+        scored=_tensor(rows.scored, torch.bool, device),
+        attn_mask=attention_mask(seg),
+        prev=_tensor(rows.prev, torch.long, device),
+    )
+
+
 def clip_grads(model: nn.Module, max_norm: float) -> float:
     """Clip the global gradient norm (DTensor-aware); returns the norm before clipping."""
     from torch.distributed.tensor import DTensor
@@ -138,7 +169,8 @@ def _apply(model: nn.Module, opt: torch.optim.Optimizer, sched, loss: torch.Tens
 
 
 def _packing(inputs: StepInputs) -> dict[str, torch.Tensor | None]:
-    return {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids, "scored": inputs.scored}
+    return {"position_ids": inputs.position_ids, "segment_ids": inputs.segment_ids, "scored": inputs.scored,
+            "attn_mask": inputs.attn_mask, "prev": inputs.prev}
 
 
 @torch.no_grad()

@@ -125,6 +125,9 @@ class RunConfig:
         if not self.buffer.token_budget and self.trainer.minibatches > episodes:
             raise ConfigError("trainer.minibatches", f"{self.trainer.minibatches} minibatches of a batch of "
                               f"{episodes} episodes (buffer.groups_per_batch x generator.group_size)")
+        if self.trainer.shared_prefix and self.buffer.batching == "pack":
+            raise ConfigError("trainer.shared_prefix", "lays out padded batches; buffer.batching pack sends packed "
+                              "rows: choose one")
 
     def context(self) -> RoleContext:
         """What every role shares (``runtime.context``): never the whole run config."""

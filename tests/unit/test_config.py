@@ -45,6 +45,8 @@ def test_yaml_env_and_overrides_compose(tmp_path: Path) -> None:
         (["trainer.lr"], "trainer.lr"),
         (["--topics.retention_ms.batch=-1"], "topics.retention_ms.batch"),
         (["--topics.retention_bytes.episodes=0"], "topics.retention_bytes.episodes"),
+        (["--trainer.shared_prefix=true", "--buffer.batching=pack"], "trainer.shared_prefix"),
+        (["--trainer.shared_prefix_tokens=0"], "trainer.shared_prefix_tokens"),
     ],
 )
 def test_bad_config_names_the_key(overrides: list[str], key: str) -> None:
