@@ -5,11 +5,13 @@ SmolLM2-135M-Instruct (``model.source: smollm2-135m``), fp32, on ``--rows`` rows
 step a TRL user runs, in transformers' own code: ``AutoModelForCausalLM`` forward with ``logits_to_keep`` (TRL's
 way of projecting the completion only), log-softmax and gather at the response tokens, the GRPO token loss,
 backward, ``clip_grad_norm_`` and ``torch.optim.AdamW``. streamforge's step is ``TrainEngine.step`` on the same
-``Batch`` (``scored``: the lm_head at the response tokens only) and, as the lever's control, the same step with
-the projection of every position (``StepInputs.scored = None``). The three alternate; each ratio is the median
-over ``--pairs`` rounds of (baseline seconds) / (streamforge seconds), so > 1 means streamforge is faster.
+``Batch`` (``scored``: the lm_head at the response tokens only), as the lever's control the same step with the
+projection of every position (``StepInputs.scored = None``), and the step in shared-prefix rows
+(``trainer.shared_prefix``: each group's prompt once, ``consumers/prefix.py``). The rows are groups of 8 samples
+of one prompt, as GRPO's are. The four alternate; each ratio is the median over ``--pairs`` rounds of (baseline
+seconds) / (streamforge seconds), so > 1 means streamforge is faster.
 Last line: ``{"bench": "trainstep", "step_vs_transformers": X, "full_logits_vs_transformers": Y,
-"scored_speedup": Y_s / X_s, ...}``.
+"scored_speedup": Y_s / X_s, "shared_prefix_vs_transformers": Z, "shared_prefix_speedup": X_s / Z_s, ...}``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ def main() -> None:
     cfg = TrainerConfig(loss="grpo", lr=1e-6, export_hf=False, grad_clip=1.0)
     eng = TrainEngine(cfg, model_dir=model_dir, run_dir=tempfile.mkdtemp(), d=Dist(),
                       max_seq_len=args.prompt + args.response)
+    shared = TrainEngine(TrainerConfig(loss="grpo", lr=1e-6, export_hf=False, grad_clip=1.0, shared_prefix=True),
+                         model_dir=model_dir, run_dir=tempfile.mkdtemp(), d=Dist(),
+                         max_seq_len=args.prompt + args.response)
     base = TransformersStep(model_dir, lr=1e-6)
 
     def full_logits(batch: Batch) -> float:
@@ -88,25 +93,35 @@ def main() -> None:
         inputs.scored = None
         return rl_step(eng.policy.model, eng.opt, eng.sched, eng.loss_fn, inputs, grad_clip=cfg.grad_clip)["step_s"]
 
-    times: dict[str, list[float]] = {"streamforge": [], "full_logits": [], "transformers": []}
+    times: dict[str, list[float]] = {"streamforge": [], "full_logits": [], "transformers": [], "shared_prefix": []}
     for i in range(args.pairs + 1):  # round 0 warms every path up and is not counted
         batch = synthetic_batch(rows=args.rows, prompt=args.prompt, response=args.response, vocab=vocab, seed=i)
+        batch.input_ids[:, :args.prompt] = batch.input_ids[::8, :args.prompt].repeat(8, axis=0)[:args.rows]
         t0 = time.perf_counter()
         eng.step(batch)
         sf = time.perf_counter() - t0
         full = full_logits(batch)
         tr = base.step(batch, args.response)
-        print(f"round {i}: streamforge {sf:.2f} s, full logits {full:.2f} s, transformers {tr:.2f} s", flush=True)
+        t0 = time.perf_counter()
+        shared.step(batch)
+        sp = time.perf_counter() - t0
+        print(f"round {i}: streamforge {sf:.2f} s, full logits {full:.2f} s, transformers {tr:.2f} s, "
+              f"shared prefix {sp:.2f} s", flush=True)
         if i:
             times["streamforge"].append(sf)
             times["full_logits"].append(full)
             times["transformers"].append(tr)
+            times["shared_prefix"].append(sp)
     ratio = statistics.median(t / s for t, s in zip(times["transformers"], times["streamforge"]))
     ratio_full = statistics.median(t / s for t, s in zip(times["transformers"], times["full_logits"]))
     scored = statistics.median(f / s for f, s in zip(times["full_logits"], times["streamforge"]))
+    ratio_shared = statistics.median(t / s for t, s in zip(times["transformers"], times["shared_prefix"]))
+    shared_speedup = statistics.median(f / s for f, s in zip(times["streamforge"], times["shared_prefix"]))
     print(orjson.dumps({
         "bench": "trainstep", "step_vs_transformers": round(ratio, 3),
         "full_logits_vs_transformers": round(ratio_full, 3), "scored_speedup": round(scored, 3),
+        "shared_prefix_vs_transformers": round(ratio_shared, 3), "shared_prefix_speedup": round(shared_speedup, 3),
+        "shared_prefix_s": round(statistics.median(times["shared_prefix"]), 3),
         "streamforge_s": round(statistics.median(times["streamforge"]), 3),
         "transformers_s": round(statistics.median(times["transformers"]), 3),
         "rows": args.rows, "tokens": args.prompt + args.response, "threads": torch.get_num_threads(),
