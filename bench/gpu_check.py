@@ -2,8 +2,9 @@
 
 ``python bench/gpu_check.py [--out DIR]`` runs, each part on its own so one failure does not hide the others:
 
-1. ``parity``: the tiny test model's first GRPO step through ``TrainEngine`` on CPU fp32, CUDA fp32 and CUDA bf16
-   from the same weights and batch: loss, grad norm and the updated weights must agree (fp32 to 1e-4, bf16 to 5e-2).
+1. ``parity``: the tiny test model's first GRPO step through ``TrainEngine`` on CPU fp32, CUDA fp32, CUDA bf16 and
+   CUDA fp32 in shared-prefix rows (``trainer.shared_prefix``: SDPA under a dense mask) from the same weights and
+   batch: loss, grad norm and the updated weights must agree (fp32 to 1e-4, bf16 to 5e-2).
 2. ``losses``: every registered loss on CPU and CUDA (fp32) on the same random tensors: loss and gradient agree.
 3. ``throughput``: a 1.1B-parameter Llama (TinyLlama's shape, random weights, untied) trained with GRPO steps in
    bf16 through ``TrainEngine`` on 64 x 512-token rows: seconds per step, tokens/s, and model TFLOP/s
@@ -78,8 +79,10 @@ def synthetic_batch(*, rows: int, prompt: int, response: int, vocab: int, seed: 
                  rewards=rewards, prompt_lens=np.full(rows, prompt, np.int32), seq_lens=np.full(rows, t, np.int32))
 
 
-def engine(model_dir: Path, device: torch.device, dtype: str, *, max_seq_len: int) -> TrainEngine:
-    cfg = TrainerConfig(loss="grpo", lr=1e-4, dtype=dtype, export_hf=False, grad_clip=1.0)
+def engine(model_dir: Path, device: torch.device, dtype: str, *, max_seq_len: int,
+           shared_prefix: bool = False) -> TrainEngine:
+    cfg = TrainerConfig(loss="grpo", lr=1e-4, dtype=dtype, export_hf=False, grad_clip=1.0,
+                        shared_prefix=shared_prefix)
     return TrainEngine(cfg, model_dir=model_dir, run_dir=tempfile.mkdtemp(), d=Dist(device=device),
                        max_seq_len=max_seq_len)
 
@@ -90,21 +93,26 @@ def part_parity(work: Path) -> dict:
     model_dir = build_tiny_model(work / "tiny", seed=0)
     cfg = json.loads((model_dir / "config.json").read_text())
     batch = synthetic_batch(rows=16, prompt=6, response=4, vocab=cfg["vocab_size"], seed=1)
+    batch.input_ids[:, :6] = batch.input_ids[::8, :6].repeat(8, axis=0)  # GRPO groups of 8 share their prompt
     out = {}
     weights = {}
-    for name, device, dtype in (("cpu_fp32", torch.device("cpu"), "float32"), ("cuda_fp32", CUDA, "float32"),
-                                ("cuda_bf16", CUDA, "bfloat16")):
+    for name, device, dtype, shared in (("cpu_fp32", torch.device("cpu"), "float32", False),
+                                        ("cuda_fp32", CUDA, "float32", False),
+                                        ("cuda_bf16", CUDA, "bfloat16", False),
+                                        ("cuda_fp32_shared_prefix", CUDA, "float32", True)):
         torch.manual_seed(0)
-        e = engine(model_dir, device, dtype, max_seq_len=64)
+        e = engine(model_dir, device, dtype, max_seq_len=64, shared_prefix=shared)
         m = e.step(batch)
         out[name] = {"loss": m["loss"], "grad_norm": m.get("grad_norm")}
         weights[name] = {k: v.float().cpu() for k, v in e.named_tensors()}
         del e
     diff = {n: max((weights[n][k] - weights["cpu_fp32"][k]).abs().max().item() for k in weights[n])
-            for n in ("cuda_fp32", "cuda_bf16")}
+            for n in ("cuda_fp32", "cuda_bf16", "cuda_fp32_shared_prefix")}
     out["max_weight_diff"] = diff
+    shared = out["cuda_fp32_shared_prefix"]
     out["ok"] = (abs(out["cuda_fp32"]["loss"] - out["cpu_fp32"]["loss"]) < 1e-4 and diff["cuda_fp32"] < 1e-4
-                 and abs(out["cuda_bf16"]["loss"] - out["cpu_fp32"]["loss"]) < 5e-2 and diff["cuda_bf16"] < 5e-2)
+                 and abs(out["cuda_bf16"]["loss"] - out["cpu_fp32"]["loss"]) < 5e-2 and diff["cuda_bf16"] < 5e-2
+                 and abs(shared["loss"] - out["cpu_fp32"]["loss"]) < 1e-4 and diff["cuda_fp32_shared_prefix"] < 1e-4)
     return out
 
 
