@@ -5,13 +5,15 @@
   after FSDP's reduction equals the 1-process gradient for every built-in loss (sequence-mean grpo/gspo/sapo,
   token-level bnpo/dapo/cispo/reinforce/decoupled_ppo, constant dr_grpo, with KL, entropy bonus and masks), for a
   user loss that declares ``aggregation``, for a user loss that declares nothing (each rank then trains the whole
-  batch) and for SFT; a 1-row batch (one rank holds a masked-out padding row) too. The reported metrics (loss,
-  tokens, kl, entropy, clip fraction, grad norm...) are the global ones.
+  batch) and for SFT; a 1-row batch (one rank holds a masked-out padding row) too; and in shared-prefix rows
+  (``trainer.shared_prefix``: two groups of 3 sharing their prompts, each rank laying out the rows it got). The
+  reported metrics (loss, tokens, kl, entropy, clip fraction, grad norm...) are the global ones.
 * tp2 (2 ranks, ``trainer.tp = 2``): logprobs and gradients equal the 1-process ones; one AdamW step gives the
   1-process weights, gathered to full HF tensors (``named_tensors`` and the HF export); a checkpoint written under
   TP resumes (weights, optimizer state: the next step equals the uninterrupted run's). Also the gradient of a tied
   Qwen 3 (q/k norms on sharded heads, one vocab-sharded tied embedding).
-* dp2 x tp2 (4 ranks): the gradient and one step of grpo on the uneven batch equal the 1-process ones.
+* dp2 x tp2 (4 ranks): the gradient and one step of grpo on the uneven batch equal the 1-process ones, and grpo's
+  gradient in shared-prefix rows.
 
 Measured on CPU over gloo (torch 2.13, torchtitan 0.3): the TP subset in ``consumers/parallel.apply_tp`` (no
 sequence parallel, no loss parallel) runs; the logits are replicated on every TP rank.
@@ -85,15 +87,19 @@ CASES = [
     ("user_token", "rl", "test_user_token", {}, "uneven"),
     ("user_plain", "rl", "test_user_plain", {}, "uneven"),
     ("sft", "sft", "grpo", {}, "uneven"),
+    # trainer.shared_prefix: groups of 3 sharing their prompt, each rank laying out the rows it got
+    ("grpo_shared_prefix", "rl_shared", "grpo", {}, "shared"),
+    ("dapo_kl_shared_prefix", "rl_shared", "dapo", {"beta": 0.04, "entropy_coef": 0.01}, "shared"),
 ]
 QWEN_CASES = [("grpo", "rl", "grpo", {}, "uneven")]
 COMPARED = ("loss", "policy_loss", "tokens", "kl", "entropy", "clip_fraction", "ratio_mean", "grad_norm", "nll",
             "off_policy_masked", "ratio_masked", "behav_weight_mean", "ratio", "logprob_drift")
 
 
-def make_batch(hf_dir: Path, rows: int, seed: int = 0) -> Batch:
+def make_batch(hf_dir: Path, rows: int, seed: int = 0, group: int = 0) -> Batch:
     """Rows of different prompt and response lengths (right-padded); old logprobs near the current policy's, so
-    some tokens are clipped and some are not."""
+    some tokens are clipped and some are not. ``group`` > 0: each block of that many rows is a group sharing its
+    first row's prompt."""
     from consumers.model import load_policy, token_logprobs
 
     rng = np.random.default_rng(seed)
@@ -101,6 +107,11 @@ def make_batch(hf_dir: Path, rows: int, seed: int = 0) -> Batch:
     ids = rng.integers(4, 64, size=(rows, t)).astype(np.int32)
     prompt = rng.integers(2, 5, size=rows).astype(np.int32)
     seq = np.minimum(t, prompt + rng.integers(3, 10, size=rows)).astype(np.int32)
+    if group:
+        for first in range(0, rows, group):
+            ids[first:first + group, :prompt[first]] = ids[first, :prompt[first]]
+            prompt[first:first + group] = prompt[first]
+        seq = np.minimum(t, prompt + rng.integers(3, 10, size=rows)).astype(np.int32)
     seq[0] = t - 1  # the widest row (the batch's trimmed width) is on rank 0; rank 1's rows are narrower
     mask = np.zeros((rows, t), dtype=np.uint8)
     for i in range(rows):
@@ -111,7 +122,8 @@ def make_batch(hf_dir: Path, rows: int, seed: int = 0) -> Batch:
         cur, _ = token_logprobs(pol.model, torch.as_tensor(ids, dtype=torch.long))
     old = np.where(mask == 1, cur.numpy() + rng.normal(0, 0.15, size=(rows, t)), 0).astype(np.float32)
     adv = rng.normal(0, 1, size=rows).astype(np.float32)
-    return Batch(batch_id=f"b{rows}", episode_ids=[f"g/{i}" for i in range(rows)], group_ids=["g"] * rows,
+    groups = [f"g{i // group}" for i in range(rows)] if group else ["g"] * rows
+    return Batch(batch_id=f"b{rows}", episode_ids=[f"g/{i}" for i in range(rows)], group_ids=groups,
                  input_ids=ids, loss_mask=mask, old_logprobs=old, token_versions=np.where(mask == 1, 0, -1).astype(np.int32),
                  advantages=adv, rewards=adv, prompt_lens=prompt, seq_lens=seq)
 
@@ -167,8 +179,9 @@ def engine_for(hf_dir: Path, run_dir: Path, d, *, mode: str, tp: int, world: int
     from consumers.config import TrainerConfig
     from consumers.engine import TrainEngine
 
-    cfg = TrainerConfig(mode=mode, lr=lr, world_size=world, tp=tp, loss="dapo", grad_clip=0.0,
-                        loss_args={"beta": 0.04, "entropy_coef": 0.01}, checkpoint_every=1)
+    shared = mode == "rl_shared"  # mode rl in shared-prefix rows
+    cfg = TrainerConfig(mode="rl" if shared else mode, lr=lr, world_size=world, tp=tp, loss="dapo", grad_clip=0.0,
+                        loss_args={"beta": 0.04, "entropy_coef": 0.01}, checkpoint_every=1, shared_prefix=shared)
     return TrainEngine(cfg, model_dir=hf_dir, run_dir=run_dir, d=d, max_seq_len=64)
 
 
@@ -225,12 +238,12 @@ WORKER = textwrap.dedent("""
     out, hf, world, scenario, qwen = Path({out!r}), Path({hf!r}), {world!r}, {scenario!r}, {qwen!r}
     d = init_distributed(timeout_s=180)
     assert d.world_size == world
-    batches = {{k: codec.decode((out / f"{{k}}.batch").read_bytes(), expect=Batch) for k in ("uneven", "one", "packed")}}
+    batches = {{k: codec.decode((out / f"{{k}}.batch").read_bytes(), expect=Batch) for k in ("uneven", "one", "packed", "shared")}}
     def save(name, tensors):
         if d.rank == 0:
             save_file({{k: v.contiguous() for k, v in tensors.items()}}, str(out / f"{{name}}.safetensors"))
     if scenario in ("dp", "dptp"):
-        cases = T.CASES if scenario == "dp" else [c for c in T.CASES if c[0] in ("grpo", "dapo_kl_entropy")]
+        cases = T.CASES if scenario == "dp" else [c for c in T.CASES if c[0] in ("grpo", "dapo_kl_entropy", "grpo_shared_prefix")]
         res = T.run_grad_cases(hf, out / "run_grads", d, batches, tp=1 if scenario == "dp" else 2, world=world,
                                cases=cases)
         for name, (grads, metrics) in res.items():
@@ -265,7 +278,9 @@ def batches(tiny_dir: Path) -> dict[str, Batch]:
     uneven = make_batch(tiny_dir, 5)
     packed = pack_batch(make_batch(tiny_dir, 7, seed=2), 20)
     assert packed.input_ids.shape == (5, 20) and len(packed.episode_ids) == 7  # rows of 2, 1, 2, 1, 1 episodes
-    return {"uneven": uneven, "one": make_batch(tiny_dir, 1, seed=1), "packed": packed}
+    shared = make_batch(tiny_dir, 6, seed=3, group=3)
+    assert len(set(shared.group_ids)) == 2 and len(set(shared.prompt_lens[:3])) == 1
+    return {"uneven": uneven, "one": make_batch(tiny_dir, 1, seed=1), "packed": packed, "shared": shared}
 
 
 def launch(tiny_dir: Path, out: Path, batches: dict[str, Batch], *, world: int, scenario: str,
@@ -392,7 +407,7 @@ def test_dp2_tp2_four_ranks_equal_single_process(tiny_dir: Path, tmp_path: Path,
 
     out = tmp_path / "dp2tp2"
     launch(tiny_dir, out, batches, world=4, scenario="dptp")
-    cases = [c for c in CASES if c[0] in ("grpo", "dapo_kl_entropy")]
+    cases = [c for c in CASES if c[0] in ("grpo", "dapo_kl_entropy", "grpo_shared_prefix")]
     ref = single_process_grads(tiny_dir, tmp_path, batches, cases)
     metrics = json.loads((out / "metrics.json").read_text())
     for name, *_ in cases:
