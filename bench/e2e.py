@@ -18,7 +18,8 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
 * Both streamforge modes pin the generator (its process, vLLM's engine core and worker) to one core,
   ``generator.cpus`` = the last core this process may use (``--generator-cpus``; '' leaves them unpinned). On a
   2-core host vLLM's engine core and worker hand each step to each other through shared-memory queues that they
-  poll; pinned, their polls stay off the core the trainer, buffer and brokers use. In alternated async runs the
+  poll; pinned, their polls stay off the core the trainer, buffer and brokers use (and on its one core the engine
+  runs the model in its engine core's process, ``generator.vllm_executor: auto``). In alternated async runs the
   pinned generator reached 0.8 in 20.9-35.1 s (median 24.4, 11 runs), unpinned in 25.6-33.2 s (median 30.7, 6
   runs); the machine's speed drifted as much within the hour (bench/RESULTS.md, 2026-12-04).
 

@@ -51,6 +51,11 @@ class GeneratorConfig:
     # how long vLLM's engine core and worker poll their shared-memory queues after a read before they sleep (vLLM's
     # own is 1 s, which keeps a core busy between bursts of generation; producers/vllm_poll.py); -1 = vLLM's own
     vllm_poll_s: float = DEFAULT_POLL_S
+    # vLLM's executor: "mp" runs the model in a worker process beside the engine core's (they hand each scheduler
+    # step over through polled shared-memory queues: on two or more cores they overlap scheduling and compute);
+    # "uni" runs it in the engine core's process (no handoff, nothing to overlap on one core); "auto" = "uni" when
+    # `cpus` names one core, else vLLM's own choice (on CPU "mp")
+    vllm_executor: Literal["auto", "mp", "uni"] = "auto"
     # vLLM: processed_logprobs (after temperature etc.) | raw_logprobs
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     # >0: this generator's share of the groups the trainer trains per step (its quota, producers/flow.py); derived
@@ -67,6 +72,12 @@ class GeneratorConfig:
     backpressure_stall_s: float = 0.0
     poll_timeout_ms: int = 500  # longest wait for new prompts before re-checking stop and backpressure
     metrics_every_s: float = 5.0  # how often the generator flushes its generator/* metrics
+
+    def engine_executor(self) -> str | None:
+        """vLLM's executor for this generator's engine (``vllm_executor``; None leaves vLLM's choice)."""
+        if self.vllm_executor == "auto":
+            return "uni" if len(parse_cpus(self.cpus, key="generator.cpus")) == 1 else None
+        return self.vllm_executor
 
     def __post_init__(self) -> None:
         check_choices(self, "generator")

@@ -4,8 +4,10 @@
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts; ``max_num_seqs`` and
 ``max_num_batched_tokens`` bound a scheduler step, 0 = vLLM's offline ``LLM`` defaults; ``poll_s`` is how long its
 engine core and worker poll their shared-memory queues before they sleep, ``producers/vllm_poll.py``, None = vLLM's
-own 1 s). ``extra_args`` are more engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)``
-(``worker_extension_cls``, ``weight_transfer_config``).
+own 1 s). ``executor`` is vLLM's ``distributed_executor_backend`` (None: vLLM's choice, on CPU its multiprocess
+executor; ``"uni"``: the model runs in the engine core's own process, see ``_async_llm``). ``extra_args`` are
+more engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
+``weight_transfer_config``).
 
 ``generate(prompt_token_ids, n, sampling)`` runs one request with ``n`` samples (one GRPO group) and returns every
 response token with the policy version of the weights that sampled it, so a weight swap in the middle of a
@@ -79,7 +81,7 @@ class Engine:
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  logprobs_mode: str = "processed_logprobs", dtype: str = "float32", max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, poll_s: float | None = vllm_poll.DEFAULT_POLL_S,
-                 extra_args: dict[str, Any] | None = None) -> None:
+                 executor: str | None = None, extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
         self.version = version
         self.max_model_len = max_model_len
@@ -92,6 +94,7 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.poll_s = poll_s
+        self.executor = executor
         self.extra_args = dict(extra_args or {})
         self.llm: Any = None
         self._swap_lock = asyncio.Lock()
@@ -110,7 +113,6 @@ class Engine:
             return
         from vllm import AsyncEngineArgs
         from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{max(1, round(self.kv_cache_gib))}")
         vllm_poll.set_poll_s(self.poll_s)  # read by our vLLM plugin in the engine core and worker processes
@@ -125,14 +127,16 @@ class Engine:
             disable_log_stats=True,
             max_num_seqs=self.max_num_seqs or None,
             max_num_batched_tokens=self.max_num_batched_tokens or None,
+            **({"distributed_executor_backend": self.executor} if self.executor else {}),
             **self.extra_args,
         )
         t0 = time.monotonic()
         # unset batch limits take vLLM's offline (``LLM`` class) defaults for the platform, not the smaller
         # server ones: a generator is a throughput client (on CPU 256 sequences, not 128, and 4096 tokens a step)
-        self.llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
+        self.llm = _async_llm(args, UsageContext.LLM_CLASS)
         await self.llm.update_weight_version(str(self.version))
-        log.info("vLLM engine for %s ready in %.1f s", self.model_path, time.monotonic() - t0)
+        log.info("vLLM engine for %s ready in %.1f s (executor %s)", self.model_path, time.monotonic() - t0,
+                 self.llm.vllm_config.parallel_config.distributed_executor_backend)
 
     async def stop(self) -> None:
         if self._stopped:
@@ -312,3 +316,26 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
         return [float(x) for x in logprobs.logprobs]
     return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
 
+
+def _async_llm(args: Any, usage_context: Any) -> Any:
+    """``AsyncLLM.from_engine_args``, except that an ``"uni"`` executor stays one: vLLM's CPU platform replaces it
+    with its multiprocess executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the config is built, and that
+    variable must not be 0 when ``AsyncLLM`` starts its engine-core process. With ``"uni"`` the engine core runs
+    the model itself: no worker process and no shared-memory queues between the two to poll."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.executor import Executor
+
+    if args.distributed_executor_backend != "uni":
+        return AsyncLLM.from_engine_args(args, usage_context=usage_context)
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(key)
+    os.environ[key] = "0"
+    try:
+        vllm_config = args.create_engine_config(usage_context)
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+    return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config), log_requests=False,
+                    log_stats=False, usage_context=usage_context)

@@ -145,7 +145,8 @@ class GeneratorRole(Service):
                 gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                 logprobs_mode=cfg.logprobs_mode, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
-                poll_s=None if cfg.vllm_poll_s == -1 else cfg.vllm_poll_s, extra_args=_weightsync_args(self.weightsync),
+                poll_s=None if cfg.vllm_poll_s == -1 else cfg.vllm_poll_s, executor=cfg.engine_executor(),
+                extra_args=_weightsync_args(self.weightsync),
             )
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU
         engine = self.engine

@@ -340,8 +340,10 @@ async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, 
 
 async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, model_dir, tmp_path):
     overrides = {"group_size": 2, "max_tokens": 6, "max_concurrent_prompts": 2}
+    # the module's engine pins its worker to core 0; the victim runs on the other core, where its engine runs the
+    # model in the engine core's own process (generator.vllm_executor: auto): one SIGKILL of the group ends both
     cfg = configure(run_config, model_dir, **overrides, generator_id="victim", kv_cache_gib=1.0,
-                    rewards=["tests.integration.test_generator:slow_reward"])
+                    cpus=str((os.cpu_count() or 2) - 1), rewards=["tests.integration.test_generator:slow_reward"])
     cfg = dataclasses.replace(cfg, kafka=dataclasses.replace(cfg.kafka, session_timeout_ms=6000,
                                                              heartbeat_interval_ms=1000),
                               telemetry=dataclasses.replace(cfg.telemetry, traces="none"))
@@ -349,9 +351,7 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
     await feed(cfg, prompts)
     config_path = tmp_path / "victim.yaml"
     config_path.write_text(dump_config(cfg))
-    # the module's engine pins its worker to core 0; put the victim's on the other core
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO),
-           "VLLM_CPU_OMP_THREADS_BIND": str((os.cpu_count() or 2) - 1)}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REPO)}
     env = {k: v for k, v in env.items() if not k.startswith("STREAMFORGE_")}
     log_path = tmp_path / "victim.log"
     with open(log_path, "wb") as log_file:  # noqa: ASYNC230 - a local file, once
@@ -389,6 +389,7 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
     for r in records:
         by_gen[r.value.generator_id].add(r.value.group_id)
     assert by_gen["victim"] and by_gen["survivor"], dict(by_gen)
+    assert "(executor uni)" in log_path.read_text()  # the in-process executor on its one core
     assert by_gen["victim"] | by_gen["survivor"] == {p.prompt_id for p in prompts}  # none lost
     # what the victim had not finished, the survivor did (episode ids are the same on redelivery); the
     # victim's last episodes may reach the tail after the kill, so "finished" is read from every record

@@ -222,3 +222,51 @@ async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
         await receiver.stop()
     finally:
         await _teardown(follow, nc_g, nc_t, engine)
+
+
+async def test_the_in_process_executor_generates_and_takes_pushes(run_config, tiny_dir):
+    """``generator.vllm_executor: uni`` (the default on one pinned core): vLLM's engine core runs the model itself,
+    with no worker process beside it, although vLLM's CPU platform would replace the executor with its
+    multiprocess one; it generates, takes a gloo push staged while a request runs, and then scores like the
+    trainer's model (fp32, 1e-4)."""
+    import psutil
+
+    from consumers.model import hf_named_tensors, load_policy
+    from producers.engine import Engine, Sampling
+
+    gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30)
+    policy = load_policy(tiny_dir)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    engine = Engine(str(tiny_dir), max_model_len=256, executor="uni", extra_args=vllm_args(gloo))
+    await engine.start()
+    nc_t = await connect(run_config.nats, name="trainer")
+    nc_g = await connect(run_config.nats, name="generator")
+    follow = None
+    try:
+        assert engine.llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
+        procs = psutil.Process().children(recursive=True)
+        names = [" ".join(p.cmdline()) + p.name() for p in procs if p.is_running()]
+        assert any("EngineCore" in n for n in names), names  # the engine core is still its own process
+        assert not any("Worker" in n for n in names), names  # but runs the model itself
+        receiver = WeightReceiver(gloo, engine=engine, nc=nc_g, names=run_config.names, generator_id="g0")
+        await receiver.start()
+        follow = asyncio.create_task(receiver.loop())
+        running = asyncio.create_task(engine.generate(PROMPTS[0], 4, Sampling(max_tokens=64, seed=1)))
+        async with WeightPublisher(gloo, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir) as pub:
+            async with asyncio.timeout(gloo.heartbeat_s * 5):
+                while "g0" not in pub.members():
+                    await asyncio.sleep(0.05)
+            await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
+            await _wait_version(engine, 1)
+        done = await asyncio.wait_for(running, 60)
+        assert len(done) == 4 and all(c.token_ids and set(c.versions) <= {0, 1} for c in done)
+        for j, ids in enumerate(PROMPTS):
+            lp = await _engine_prompt_logprobs(engine, ids, f"u{j}")
+            assert (lp - _trainer_logprobs(policy.model, ids)).abs().max().item() < 1e-4
+        assert receiver.counters["load_failures"] == 0
+        await receiver.stop()
+    finally:
+        await _teardown(follow, nc_g, nc_t, engine)
