@@ -23,8 +23,10 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
   pinned generator reached 0.8 in 20.9-35.1 s (median 24.4, 11 runs), unpinned in 25.6-33.2 s (median 30.7, 6
   runs); the machine's speed drifted as much within the hour (bench/RESULTS.md, 2026-12-04).
 
-Both streamforge modes drop zero-variance groups (``--filter-zero-variance 0`` turns that off); TRL does not, so
-the comparison with TRL is of the two systems as configured, the one with sync of asynchrony alone. Its
+Both streamforge modes train in shared-prefix rows, as the demo (``trainer.shared_prefix``: a group's prompt once
+per row; ``--sf trainer.shared_prefix=false`` pads every sample's copy), and drop zero-variance groups
+(``--filter-zero-variance 0`` turns that off); TRL does not, so the comparison with TRL is of the two systems as
+configured, the one with sync of asynchrony alone. Its
 ``reward`` and streamforge's ``reward_mean`` are both the mean over every sampled completion.
 
 Variants: ``--task addmod10 --max-tokens 2`` (default) and a generation-heavy one, e.g. ``--task reverse
@@ -111,7 +113,8 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
 
     run_dir = out / f"sf-lag{lag}"
     extra = {"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
-             "trainer.checkpoint_every": 1000, "buffer.filter_zero_variance": args.filter_zero_variance}
+             "trainer.checkpoint_every": 1000, "buffer.filter_zero_variance": args.filter_zero_variance,
+             "trainer.shared_prefix": True}  # as the demo: a group's prompt once per row (both modes alike)
     # sync (lag 0): every batch from the latest weights, the trainer waiting for each swap; async: the demo's
     # bound (staleness.max_versions 2, the buffer's and generators' bounds derived) and a trainer that never waits
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"

@@ -9,6 +9,8 @@ and ``producers.flow.Backpressure`` is open, and runs each through the ``PromptP
 * A prompt's offset is committed only after every Episode of it was acknowledged by the broker, and only the
   contiguous completed prefix per partition (``producers.flow.OffsetTracker``), so a generator killed mid-prompt
   leaves the prompt to another member of the group. Before partitions are revoked what is finished is committed.
+  The commits run in the background, one at a time, each covering every prompt finished before it: a prompt's
+  slot frees once its Episodes are acknowledged, without a commit round trip of its own.
 * While backpressure is closed the consumer is paused (the group membership stays alive) and records fetched
   meanwhile are given back by seeking to them.
 * A prompt task that fails unexpectedly (engine dead, broker error) makes ``loop()`` raise, which stops the role.
@@ -79,6 +81,8 @@ class Intake:
         self._wake = asyncio.Event()  # set when a slot frees, a version arrives, or a task fails
         self._closed = False
         self._commit_lock = asyncio.Lock()
+        self._committer: asyncio.Task | None = None  # the background commits of finished prompts (_commit_soon)
+        self._commit_wanted = False
         self._dead_commit_at = 0.0  # monotonic time of the last commit after a dead-lettered prompt
         self._dead_acks: list[asyncio.Future] = []  # dead letters sent, not yet awaited (before any commit)
 
@@ -99,15 +103,18 @@ class Intake:
         self._wake.set()
 
     async def finish_tasks(self) -> None:
-        """Wait for every prompt in flight (their Episodes acked or dead-lettered)."""
+        """Wait for every prompt in flight (their Episodes acked or dead-lettered) and the commits they asked for."""
         if self.tasks:
             log.info("drain: waiting for %d prompts in flight", len(self.tasks))
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
+        if self._committer is not None:
+            await asyncio.gather(self._committer, return_exceptions=True)
 
     async def cancel_tasks(self) -> None:
-        for task in self.tasks:
+        tasks = [*self.tasks, *([self._committer] if self._committer is not None else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- the loop --------------------------------------------------------------------------------
     def _may_take(self) -> int:
@@ -248,6 +255,21 @@ class Intake:
         await self.run_prompt(prompt, tokens, ctx)
         if rec is not None:
             self.offsets.done(rec.tp, rec.offset)
+            self._commit_soon()
+
+    def _commit_soon(self) -> None:
+        """Commit what is done in the background: a prompt's slot frees once its Episodes are acknowledged, not
+        after a commit round trip of its own, and the prompts that finish while a commit is in flight share the
+        next one. A commit that raises fails intake, as a failed prompt does."""
+        self._commit_wanted = True
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_loop(), name="prompt commits")
+            self._committer.add_done_callback(self._task_done)
+
+    async def _commit_loop(self) -> None:
+        """Commits until no prompt finished during the last commit (``_commit_soon`` restarts it)."""
+        while self._commit_wanted:
+            self._commit_wanted = False
             await self.commit()
 
     # -- commits ---------------------------------------------------------------------------------
