@@ -12,8 +12,9 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
   (the trainer waits for each swap).
 * streamforge async: the demo's settings (``configs/demo.yaml``): ``staleness.max_versions: 4``
   (``--async-staleness``) and ``publish_busy: skip`` (generation and swaps overlap training), with
-  ``trainer.publish_every: 2`` (``--async-publish-every``): a swap stops the generator longer than a 2-token
-  generation takes, and swapping every other step reached the target in 35 s against 64 s (bench/RESULTS.md).
+  ``trainer.publish_every: 3`` (``--async-publish-every``): a swap stops the generator longer than a 2-token
+  generation takes; swapping every other step reached the target in 35 s against 64 s, and every third step
+  before every other one in 3 of 3 alternated rounds (bench/RESULTS.md).
   ``--sf KEY=VALUE`` sets more streamforge keys for both modes.
 * Both streamforge modes pin the generator (its process, vLLM's engine core and worker) to one core,
   ``generator.cpus`` = the last core this process may use (``--generator-cpus``; '' leaves them unpinned). On a
@@ -118,7 +119,7 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     # sync (lag 0): every batch from the latest weights, the trainer waiting for each swap; async: the demo's
     # bound (staleness.max_versions 2, the buffer's and generators' bounds derived) and a trainer that never waits
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
-    if lag:  # a swap stops the generator ~100-200 ms for a 2-token generation of ~30-60 ms: swap every other step
+    if lag:  # a swap stops the generator ~100-200 ms for a 2-token generation of ~30-60 ms: swap every third step
         extra["trainer.publish_every"] = args.async_publish_every
     if args.generator_cpus:
         extra["generator.cpus"] = args.generator_cpus
@@ -209,7 +210,7 @@ def main() -> None:
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
     p.add_argument("--async-staleness", type=int, default=4, help="staleness.max_versions of the async mode")
-    p.add_argument("--async-publish-every", type=int, default=2, help="trainer.publish_every of the async mode")
+    p.add_argument("--async-publish-every", type=int, default=3, help="trainer.publish_every of the async mode")
     p.add_argument("--sf", action="append", default=[], metavar="KEY=VALUE", help="a streamforge config key")
     p.add_argument("--generator-cpus", default="last",
                    help="generator.cpus of both streamforge modes: a CPU list, 'last' (the last core this process may "
