@@ -337,5 +337,6 @@ def _async_llm(args: Any, usage_context: Any) -> Any:
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
-    return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config), log_requests=False,
-                    log_stats=False, usage_context=usage_context)
+    return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                    log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                    usage_context=usage_context)

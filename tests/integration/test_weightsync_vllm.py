@@ -62,6 +62,32 @@ async def _teardown(follow, nc_g, nc_t, engine) -> None:
     await engine.stop()
 
 
+def _perturbed(tiny_dir, seed: int):
+    """The tiny model as a trainer would hold it after some steps: every parameter moved by 0.05 x N(0, 1)."""
+    from consumers.model import load_policy
+
+    policy = load_policy(tiny_dir)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return policy
+
+
+async def _publish_to_g0(cfg: WeightSyncConfig, run_config, nc_t, engine, policy, version: int) -> None:
+    """A publisher that waits to know generator g0, pushes ``policy`` as ``version`` and waits for the engine."""
+    from consumers.model import hf_named_tensors
+
+    async with WeightPublisher(cfg, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir) as pub:
+        async with asyncio.timeout(cfg.heartbeat_s * 5):
+            while "g0" not in pub.members():
+                await asyncio.sleep(0.05)
+        await pub.publish(version=version, step=version, named_tensors=lambda: hf_named_tensors(policy),
+                          batch_ids=[f"b{version}"])
+        await _wait_version(engine, version)
+        assert pub.members()["g0"]["acked_version"] == version
+
+
 async def _wait_version(engine, version: int, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while engine.version < version:
@@ -184,16 +210,12 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
 async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
     """``generator.dtype: bfloat16``: the engine keeps bf16 weights and the trainer's fp32 push is cast into them;
     afterwards its logprobs are the trainer's model's within bf16's precision, and far from the old weights'."""
-    from consumers.model import hf_named_tensors, load_policy
+    from consumers.model import load_policy
     from producers.engine import Engine
 
     gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30)
-    policy = load_policy(tiny_dir)
+    policy = _perturbed(tiny_dir, 11)
     v0 = load_policy(tiny_dir)
-    g = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
     engine = Engine(str(tiny_dir), max_model_len=256, dtype="bfloat16", extra_args=vllm_args(gloo))
     await engine.start()
     nc_t = await connect(run_config.nats, name="trainer")
@@ -206,13 +228,7 @@ async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
         before = [await _engine_prompt_logprobs(engine, ids, f"b{j}") for j, ids in enumerate(PROMPTS)]
         for lp, ids in zip(before, PROMPTS):  # bf16 weights: near the fp32 model, not equal to it
             assert (lp - _trainer_logprobs(v0.model, ids)).abs().max().item() < 0.1
-        async with WeightPublisher(gloo, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir) as pub:
-            async with asyncio.timeout(gloo.heartbeat_s * 5):
-                while "g0" not in pub.members():
-                    await asyncio.sleep(0.05)
-            await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
-            await _wait_version(engine, 1)
-            assert pub.members()["g0"]["acked_version"] == 1
+        await _publish_to_g0(gloo, run_config, nc_t, engine, policy, 1)
         for j, ids in enumerate(PROMPTS):
             lp = await _engine_prompt_logprobs(engine, ids, f"a{j}")
             new, old = _trainer_logprobs(policy.model, ids), _trainer_logprobs(v0.model, ids)
@@ -231,15 +247,10 @@ async def test_the_in_process_executor_generates_and_takes_pushes(run_config, ti
     trainer's model (fp32, 1e-4)."""
     import psutil
 
-    from consumers.model import hf_named_tensors, load_policy
     from producers.engine import Engine, Sampling
 
     gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30)
-    policy = load_policy(tiny_dir)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in policy.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    policy = _perturbed(tiny_dir, 5)
     engine = Engine(str(tiny_dir), max_model_len=256, executor="uni", extra_args=vllm_args(gloo))
     await engine.start()
     nc_t = await connect(run_config.nats, name="trainer")
@@ -255,12 +266,7 @@ async def test_the_in_process_executor_generates_and_takes_pushes(run_config, ti
         await receiver.start()
         follow = asyncio.create_task(receiver.loop())
         running = asyncio.create_task(engine.generate(PROMPTS[0], 4, Sampling(max_tokens=64, seed=1)))
-        async with WeightPublisher(gloo, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir) as pub:
-            async with asyncio.timeout(gloo.heartbeat_s * 5):
-                while "g0" not in pub.members():
-                    await asyncio.sleep(0.05)
-            await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
-            await _wait_version(engine, 1)
+        await _publish_to_g0(gloo, run_config, nc_t, engine, policy, 1)
         done = await asyncio.wait_for(running, 60)
         assert len(done) == 4 and all(c.token_ids and set(c.versions) <= {0, 1} for c in done)
         for j, ids in enumerate(PROMPTS):
