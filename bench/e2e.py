@@ -19,8 +19,10 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
 * Both streamforge modes pin the generator (its process, vLLM's engine core and worker) to one core,
   ``generator.cpus`` = the last core this process may use (``--generator-cpus``; '' leaves them unpinned). On a
   2-core host vLLM's engine core and worker hand each step to each other through shared-memory queues that they
-  poll; pinned, their polls stay off the core the trainer, buffer and brokers use (and on its one core the engine
-  runs the model in its engine core's process, ``generator.vllm_executor: auto``). In alternated async runs the
+  poll; pinned, their polls stay off the core the trainer, buffer and brokers use. The async mode's engine runs the
+  model in its engine core's process (``generator.vllm_executor: uni``: faster pinned, in 3 of 3 alternated async
+  pairs; the sync mode keeps vLLM's executor, with which it reached the target in 107 s against 548 s with
+  ``uni``, bench/RESULTS.md). In alternated async runs the
   pinned generator reached 0.8 in 20.9-35.1 s (median 24.4, 11 runs), unpinned in 25.6-33.2 s (median 30.7, 6
   runs); the machine's speed drifted as much within the hour (bench/RESULTS.md, 2026-12-04).
 
@@ -121,6 +123,8 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
     if lag:  # a swap stops the generator ~100-200 ms for a 2-token generation of ~30-60 ms: swap every third step
         extra["trainer.publish_every"] = args.async_publish_every
+        if args.generator_cpus:  # pinned: the model in the engine core's process (the module docstring)
+            extra["generator.vllm_executor"] = "uni"
     if args.generator_cpus:
         extra["generator.cpus"] = args.generator_cpus
     extra.update(kv.split("=", 1) for kv in args.sf)

@@ -53,8 +53,8 @@ class GeneratorConfig:
     vllm_poll_s: float = DEFAULT_POLL_S
     # vLLM's executor: "mp" runs the model in a worker process beside the engine core's (they hand each scheduler
     # step over through polled shared-memory queues: on two or more cores they overlap scheduling and compute);
-    # "uni" runs it in the engine core's process (no handoff, nothing to overlap on one core); "auto" = "uni" when
-    # `cpus` names one core, else vLLM's own choice (on CPU "mp")
+    # "uni" runs it in the engine core's process (no handoff: faster for an async generator pinned to one core,
+    # but 2-5x slower in sync mode there, bench/RESULTS.md); "auto" = vLLM's own choice (on CPU "mp")
     vllm_executor: Literal["auto", "mp", "uni"] = "auto"
     # vLLM: processed_logprobs (after temperature etc.) | raw_logprobs
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
@@ -75,9 +75,7 @@ class GeneratorConfig:
 
     def engine_executor(self) -> str | None:
         """vLLM's executor for this generator's engine (``vllm_executor``; None leaves vLLM's choice)."""
-        if self.vllm_executor == "auto":
-            return "uni" if len(parse_cpus(self.cpus, key="generator.cpus")) == 1 else None
-        return self.vllm_executor
+        return None if self.vllm_executor == "auto" else self.vllm_executor
 
     def __post_init__(self) -> None:
         check_choices(self, "generator")

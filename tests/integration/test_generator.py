@@ -341,9 +341,10 @@ async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, 
 async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, model_dir, tmp_path):
     overrides = {"group_size": 2, "max_tokens": 6, "max_concurrent_prompts": 2}
     # the module's engine pins its worker to core 0; the victim runs on the other core, where its engine runs the
-    # model in the engine core's own process (generator.vllm_executor: auto): one SIGKILL of the group ends both
+    # model in the engine core's own process (generator.vllm_executor: uni): one SIGKILL of the group ends both
     cfg = configure(run_config, model_dir, **overrides, generator_id="victim", kv_cache_gib=1.0,
-                    cpus=str((os.cpu_count() or 2) - 1), rewards=["tests.integration.test_generator:slow_reward"])
+                    cpus=str((os.cpu_count() or 2) - 1), vllm_executor="uni",
+                    rewards=["tests.integration.test_generator:slow_reward"])
     cfg = dataclasses.replace(cfg, kafka=dataclasses.replace(cfg.kafka, session_timeout_ms=6000,
                                                              heartbeat_interval_ms=1000),
                               telemetry=dataclasses.replace(cfg.telemetry, traces="none"))

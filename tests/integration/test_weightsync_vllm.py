@@ -241,7 +241,7 @@ async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
 
 
 async def test_the_in_process_executor_generates_and_takes_pushes(run_config, tiny_dir):
-    """``generator.vllm_executor: uni`` (the default on one pinned core): vLLM's engine core runs the model itself,
+    """``generator.vllm_executor: uni``: vLLM's engine core runs the model itself,
     with no worker process beside it, although vLLM's CPU platform would replace the executor with its
     multiprocess one; it generates, takes a gloo push staged while a request runs, and then scores like the
     trainer's model (fp32, 1e-4)."""

@@ -57,13 +57,12 @@ def test_the_variable_is_not_read_as_a_config_key():
     assert env_overrides({vllm_poll.ENV: "0.02"}) == []
 
 
-def test_the_executor_is_the_in_process_one_on_one_pinned_core():
-    """``generator.vllm_executor: auto``: one core has nothing for vLLM's two processes to overlap, so the model
-    runs in the engine core's process; otherwise vLLM chooses (None)."""
-    assert GeneratorConfig(cpus="1").engine_executor() == "uni"
+def test_the_executor_is_vllms_choice_unless_named():
+    """``generator.vllm_executor``: ``auto`` leaves vLLM's choice (None), pinned or not; ``mp`` and ``uni`` are
+    passed on as they are."""
+    assert GeneratorConfig(cpus="1").engine_executor() is None
     assert GeneratorConfig(cpus="").engine_executor() is None
-    assert GeneratorConfig(cpus="0-1").engine_executor() is None
     assert GeneratorConfig(cpus="1", vllm_executor="mp").engine_executor() == "mp"
-    assert GeneratorConfig(cpus="0-1", vllm_executor="uni").engine_executor() == "uni"
+    assert GeneratorConfig(cpus="1", vllm_executor="uni").engine_executor() == "uni"
     with pytest.raises(ConfigError, match="generator.vllm_executor"):
         GeneratorConfig(vllm_executor="ray")
