@@ -45,6 +45,10 @@ class GeneratorConfig:
     # the cores this generator and its vLLM CPU engine run on, a CPU list such as "0" or "0-3" ("" = vLLM's own
     # choice, or `up`'s split between generators); sets VLLM_CPU_OMP_THREADS_BIND (runtime/cpus.py)
     cpus: str = ""
+    # the cores of the generator's own process once its engine has started ("" = `cpus`): its event loop (Kafka,
+    # rewards, spans, vLLM's request and output handling) then leaves the engine's cores to the engine, e.g. cpus
+    # "1" and loop_cpus "0-1" on two cores (runtime/cpus.py); the engine's processes keep `cpus`
+    loop_cpus: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM on GPU
     enforce_eager: bool = True  # vLLM: no CUDA graphs / compilation
     seed: int = 0  # vLLM sampling seed
@@ -85,6 +89,7 @@ class GeneratorConfig:
         if self.group_size < 1:
             raise ConfigError("generator.group_size", "must be at least 1")
         parse_cpus(self.cpus, key="generator.cpus")
+        parse_cpus(self.loop_cpus, key="generator.loop_cpus")
         if self.max_tokens < 1:
             raise ConfigError("generator.max_tokens", "must be at least 1")
         if self.temperature < 0:

@@ -83,7 +83,8 @@ class Engine:
                  max_num_batched_tokens: int = 0, poll_s: float | None = vllm_poll.DEFAULT_POLL_S,
                  executor: str | None = None, extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
-        self.version = version
+        self._version = version
+        self._version_listeners: list[Callable[[int], None]] = []
         self.max_model_len = max_model_len
         self.seed = seed
         self.kv_cache_gib = kv_cache_gib
@@ -237,7 +238,7 @@ class Engine:
                 # the label inside the pause: tokens of a step before it are the old weights', after it the new
                 await self.llm.update_weight_version(str(version))
                 t2 = time.perf_counter()
-                self.version = version
+                self._adopt(version)
                 self.swaps += 1
             finally:
                 await self.llm.resume_generation()
@@ -269,7 +270,7 @@ class Engine:
                              vllm_swap.METHOD)
                     self._fused_swap = False
                 else:
-                    self.version = version
+                    self._adopt(version)
                     self.swaps += 1
                     self.last_swap_ms = {k: float(out[f"{k}_ms"]) for k in ("pause", "load", "resume")}
                     return sum(self.last_swap_ms.values()), out["result"]
@@ -281,12 +282,28 @@ class Engine:
         pause = await self.swap(version, load, mode=mode)
         return pause, result[0] if result else None
 
+    @property
+    def version(self) -> int:
+        """The policy version of the weights generating now (``swap`` and ``relabel`` change it)."""
+        return self._version
+
+    def on_version(self, callback: Callable[[int], None]) -> Callable[[], None]:
+        """Call ``callback(version)`` each time the engine adopts a version (a swap or a relabel), right after;
+        returns the function that stops it."""
+        self._version_listeners.append(callback)
+        return lambda: self._version_listeners.remove(callback) if callback in self._version_listeners else None
+
+    def _adopt(self, version: int) -> None:
+        self._version = version
+        for callback in self._version_listeners:
+            callback(version)
+
     async def relabel(self, version: int) -> None:
         """Adopt ``version`` for the weights loaded now (nothing is loaded): later tokens carry it."""
         if self.llm is None:
             raise RuntimeError("Engine.start() was not called")
         await self.llm.update_weight_version(str(version))
-        self.version = version
+        self._adopt(version)
 
 
 # a sample's stream delivers its first token, then nothing until it finishes (vLLM's ``stream_interval``)

@@ -39,6 +39,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from envs.config import EnvConfig
@@ -54,7 +55,7 @@ from producers.prompts import PromptChecker
 from producers.refunds import DropRefunds
 from producers.rewards import RewardSet
 from runtime.context import RoleContext
-from runtime.cpus import pin
+from runtime.cpus import available, pin
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
 from runtime.services import ServiceDirectory
@@ -107,6 +108,7 @@ class GeneratorRole(Service):
         self.store: PolicyStore | None = None
         self.services: ServiceDirectory | None = None  # with remote rewards: the live view of the service replicas
         self.receiver: Any = None  # weightsync.receiver.WeightReceiver when weightsync is configured
+        self._unwatch_version: Callable[[], None] | None = None  # stops the engine's calls to intake.adopted
         self.refunds: DropRefunds | None = None  # with a quota: groups the buffer dropped give it back
         self.tokenizer: Any = None
         self.stats = {"prompts": 0, "episodes": 0, "dead_lettered": 0, "tokens": 0, "commits": 0}
@@ -134,6 +136,7 @@ class GeneratorRole(Service):
         ctx, cfg = self.ctx, self.cfg
         self.rewards = RewardSet(cfg.rewards, cfg.reward_weights, timeout_s=cfg.reward_timeout_s,
                                  max_workers=min(32, 2 * cfg.group_size))
+        loop_cores = available(cfg.loop_cpus, key="generator.loop_cpus")  # checked before the engine starts
         if self.engine is None:
             if cores := pin(cfg.cpus, key="generator.cpus"):  # before the engine: its processes inherit it
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
@@ -149,6 +152,9 @@ class GeneratorRole(Service):
                 extra_args=_weightsync_args(self.weightsync),
             )
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU
+        if loop_cores:  # the engine's processes keep generator.cpus; this one moves
+            pin(cfg.loop_cpus, key="generator.loop_cpus", allowed=set(loop_cores))
+            log.info("generator %s: its own process runs on cores %s", self.generator_id, loop_cores)
         engine = self.engine
         self.tokenizer = engine.tokenizer
         self.producer = Producer(ctx.kafka, client_id=f"generator-{self.generator_id}")
@@ -202,6 +208,9 @@ class GeneratorRole(Service):
         self.intake = Intake(cfg, backpressure=self.backpressure, checker=checker, run_prompt=pipeline.run,
                              dead=self.dead, engine_version=lambda: engine.version, stats=self.stats,
                              offsets=self.offsets, local_source=self.local_source)
+        # a swap or relabel may open backpressure (max_policy_lag): without this wake the intake would see the
+        # new version only at its next poll_timeout_ms re-check (every step of a sync run waited for it)
+        self._unwatch_version = engine.on_version(self.intake.adopted)
         if cfg.prompt_source == "topic":
             self.intake.consumer = Consumer(ctx.kafka, [self.names.prompts], group_id=self.names.generators_group,
                                             expect=Prompt, client_id=f"generator-{self.generator_id}",
@@ -211,6 +220,9 @@ class GeneratorRole(Service):
                  cfg.prompt_source)
 
     async def _stop(self) -> None:
+        if self._unwatch_version is not None:
+            self._unwatch_version()
+            self._unwatch_version = None
         if self.intake is not None:
             await self.intake.cancel_tasks()
         for closer in (self._close_consumer, self._close_refunds, self._close_receiver, self._close_producer,

@@ -92,6 +92,10 @@ class Intake:
         self.backpressure.published(version, step, time.monotonic())
         self._wake.set()
 
+    def adopted(self, version: int) -> None:
+        """The engine now generates with ``version`` (a swap or relabel): backpressure may open."""
+        self._wake.set()
+
     def progressed(self, step: int, version: int | None = None, groups: int = -1) -> None:
         """The trainer has trained ``step`` steps (``groups`` groups), with ``version``: the quota may open."""
         self.backpressure.progressed(step, version, groups)
@@ -130,9 +134,9 @@ class Intake:
     async def _wait_for_slot(self) -> int:
         """Wait until a slot is free and backpressure is open; raises the failure of a prompt task.
 
-        Waits on ``_wake`` (a prompt finished, a version was published, a task failed). While backpressure is
-        closed it also re-checks every ``poll_timeout_ms``: the receiver changes the engine's version without
-        telling us, and the quota's liveness guard (``Backpressure.stall_s()``) is a timeout.
+        Waits on ``_wake`` (a prompt finished, a version was published or adopted by the engine, a task failed).
+        While backpressure is closed it also re-checks every ``poll_timeout_ms``: the quota's liveness guard
+        (``Backpressure.stall_s()``) is a timeout.
         """
         stalled_since: float | None = None
         while True:

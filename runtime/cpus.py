@@ -9,6 +9,7 @@ threads itself, from ``VLLM_CPU_OMP_THREADS_BIND``, which the generator sets fro
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from topics.errors import ConfigError
@@ -33,15 +34,35 @@ def parse_cpus(spec: str, *, key: str = "cpus") -> list[int]:
     return sorted(ids)
 
 
-def pin(spec: str, *, key: str = "cpus") -> list[int]:
-    """Restrict this process to the cores of ``spec`` (no-op for ``""``); returns them. A core this host does not
-    let the process use is a ``ConfigError``."""
+def available(spec: str, *, key: str = "cpus", allowed: set[int] | None = None) -> list[int]:
+    """The cores of ``spec`` (``[]`` for ``""``), each one this process may use (``allowed``, default: its
+    affinity now); else a ``ConfigError`` naming ``key``."""
     ids = parse_cpus(spec, key=key)
-    if not ids:
-        return []
-    allowed = os.sched_getaffinity(0)
+    allowed = os.sched_getaffinity(0) if allowed is None else allowed
     missing = [i for i in ids if i not in allowed]
     if missing:
         raise ConfigError(key, f"cores {missing} are not available to this process (it may use {sorted(allowed)})")
-    os.sched_setaffinity(0, ids)
     return ids
+
+
+def pin(spec: str, *, key: str = "cpus", allowed: set[int] | None = None) -> list[int]:
+    """Restrict this process to the cores of ``spec`` (no-op for ``""``); returns them. A core outside ``allowed``
+    (default: the cores this process may use now) is a ``ConfigError``.
+
+    Every thread the process has now is moved (Linux keeps an affinity per thread); threads and processes it
+    starts afterwards inherit it."""
+    ids = available(spec, key=key, allowed=allowed)
+    if not ids:
+        return []
+    os.sched_setaffinity(0, ids)
+    for tid in _threads():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, ids)
+    return ids
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread only
+        return []

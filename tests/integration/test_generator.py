@@ -339,11 +339,15 @@ async def test_graceful_stop_finishes_and_commits_prompts_in_flight(run_config, 
 
 
 async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, model_dir, tmp_path):
+    import psutil
+
     overrides = {"group_size": 2, "max_tokens": 6, "max_concurrent_prompts": 2}
-    # the module's engine pins its worker to core 0; the victim runs on the other core, where its engine runs the
-    # model in the engine core's own process (generator.vllm_executor: uni): one SIGKILL of the group ends both
+    # the module's engine pins its worker to core 0; the victim's engine runs on the other core, the model in the
+    # engine core's own process (generator.vllm_executor: uni), and the victim's own process moves to every core
+    # once the engine has started (generator.loop_cpus): one SIGKILL of the group ends both
+    every_core = sorted(os.sched_getaffinity(0))
     cfg = configure(run_config, model_dir, **overrides, generator_id="victim", kv_cache_gib=1.0,
-                    cpus=str((os.cpu_count() or 2) - 1), vllm_executor="uni",
+                    cpus=str(every_core[-1]), vllm_executor="uni", loop_cpus=",".join(map(str, every_core)),
                     rewards=["tests.integration.test_generator:slow_reward"])
     cfg = dataclasses.replace(cfg, kafka=dataclasses.replace(cfg.kafka, session_timeout_ms=6000,
                                                              heartbeat_interval_ms=1000),
@@ -362,6 +366,9 @@ async def test_sigkilled_generator_leaves_no_prompt_lost(run_config, engine, mod
     try:
         async with Tail(cfg, cfg.names.episodes, Episode) as tail:
             await tail.until(lambda rs: len(rs) >= 1, 180, "the victim's first episode")
+            engine_core = [p for p in psutil.Process(victim.pid).children() if p.name().startswith("VLLM::")]
+            assert [p.cpu_affinity() for p in engine_core] == [[every_core[-1]]]  # generator.cpus
+            assert psutil.Process(victim.pid).cpu_affinity() == every_core  # generator.loop_cpus
             os.killpg(victim.pid, signal.SIGKILL)  # the generator and its vLLM engine processes
             victim.wait(10)
             at_kill = {r.value.episode_id for r in tail.records}

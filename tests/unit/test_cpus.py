@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
-from runtime.cpus import parse_cpus, pin
+from runtime.cpus import available, parse_cpus, pin
 from streamforge.config import load_config
 from topics.errors import ConfigError
 
@@ -24,6 +25,8 @@ def test_a_bad_cpu_list_names_its_key(bad: str) -> None:
         load_config(None, [f"--trainer.cpus={bad}"], environ={})
     with pytest.raises(ConfigError, match="generator.cpus"):
         load_config(None, [f"--generator.cpus={bad}"], environ={})
+    with pytest.raises(ConfigError, match="generator.loop_cpus"):
+        load_config(None, [f"--generator.loop_cpus={bad}"], environ={})
 
 
 def test_pin_restricts_this_process_and_refuses_cores_it_cannot_use() -> None:
@@ -38,3 +41,39 @@ def test_pin_restricts_this_process_and_refuses_cores_it_cannot_use() -> None:
             pin(str(max(before) + 1000), key="trainer.cpus")
     finally:
         os.sched_setaffinity(0, before)
+
+
+def test_pin_moves_the_threads_the_process_already_has() -> None:
+    """A generator pins itself before its engine starts and moves its own process (``generator.loop_cpus``) after:
+    the threads started in between (vLLM's, the tracer's) move with it."""
+    before = os.sched_getaffinity(0)
+    release = threading.Event()
+    started = threading.Event()
+    ids: list[int] = []
+
+    def wait() -> None:
+        ids.append(threading.get_native_id())
+        started.set()
+        release.wait(30)
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    started.wait(5)
+    try:
+        first = min(before)
+        pin(str(first))
+        assert os.sched_getaffinity(ids[0]) == {first}
+        spec = ",".join(map(str, sorted(before)))
+        assert pin(spec, key="generator.loop_cpus", allowed=before) == sorted(before)
+        assert os.sched_getaffinity(ids[0]) == before == os.sched_getaffinity(0)
+    finally:
+        release.set()
+        thread.join(5)
+        os.sched_setaffinity(0, before)
+
+
+def test_available_checks_cores_against_the_set_given() -> None:
+    assert available("0-3", key="generator.loop_cpus", allowed={0, 1, 2, 3}) == [0, 1, 2, 3]
+    assert available("", allowed=set()) == []
+    with pytest.raises(ConfigError, match="generator.loop_cpus.*cores \\[3\\]"):
+        available("1-3", key="generator.loop_cpus", allowed={0, 1, 2})

@@ -102,3 +102,59 @@ async def test_a_failed_commit_fails_intake():
     with pytest.raises(RuntimeError, match="broker gone"):
         await asyncio.wait_for(intake.loop(), 5)
     await intake.cancel_tasks()
+
+
+@pytest.mark.timeout(30)
+async def test_the_engine_adopting_a_version_opens_backpressure_at_once():
+    """Lag 0 (sync): nothing is taken while the engine is behind the published version; the engine's swap wakes the
+    intake (``Intake.adopted``), which takes the next prompt then, not at its next ``poll_timeout_ms`` re-check."""
+    ran: list[str] = []
+    version = [0]
+
+    async def run_prompt(prompt, tokens, ctx) -> None:
+        ran.append(prompt.prompt_id)
+
+    cfg = GeneratorConfig(max_concurrent_prompts=2, poll_timeout_ms=10_000)
+    intake = Intake(cfg, backpressure=Backpressure(max_policy_lag=0), checker=Checker(), run_prompt=run_prompt,
+                    dead=None, engine_version=lambda: version[0], stats={"dead_lettered": 0, "commits": 0})
+    intake.consumer = HeldConsumer([_record(i) for i in range(2)])
+    intake.consumer.release.set()
+    intake.published(1)
+    loop = asyncio.create_task(intake.loop())
+    try:
+        await asyncio.sleep(0.3)
+        assert ran == []  # the engine is a version behind: closed
+        version[0] = 1
+        t0 = asyncio.get_running_loop().time()
+        intake.adopted(1)
+        async with asyncio.timeout(2):
+            while len(ran) < 2:
+                await asyncio.sleep(0.01)
+        assert asyncio.get_running_loop().time() - t0 < 2  # well before the 10 s re-check
+    finally:
+        intake.close()
+        loop.cancel()  # it may be in the stand-in's 10 s fetch
+        await asyncio.gather(loop, return_exceptions=True)
+        await intake.finish_tasks()
+
+
+async def test_the_engine_tells_its_listeners_each_version_it_adopts():
+    from producers.engine import Engine
+
+    class Labels:  # stands in for vLLM's AsyncLLM: relabel only calls update_weight_version
+        def __init__(self) -> None:
+            self.labels: list[str] = []
+
+        async def update_weight_version(self, label: str) -> None:
+            self.labels.append(label)
+
+    engine = Engine("unused")
+    engine.llm = Labels()
+    heard: list[int] = []
+    stop = engine.on_version(heard.append)
+    await engine.relabel(3)
+    assert heard == [3] and engine.version == 3 and engine.llm.labels == ["3"]
+    stop()
+    await engine.relabel(4)
+    assert heard == [3] and engine.version == 4
+    stop()  # twice is harmless
