@@ -31,7 +31,9 @@ brokers, engines and processes excluded, for all three alike) to the step whose 
   pinned generator reached 0.8 in 20.9-35.1 s (median 24.4, 11 runs), unpinned in 25.6-33.2 s (median 30.7, 6
   runs); the machine's speed drifted as much within the hour (bench/RESULTS.md, 2026-12-04).
 
-Both streamforge modes train in shared-prefix rows, as the demo (``trainer.shared_prefix``: a group's prompt once
+Both streamforge modes keep the episodes in one partition (``RLConfig.episodes_partitions``, as the demo: their one
+buffer forms each batch from one partition's groups; with 4 the sync mode dropped 58% of its episodes as stale and
+took 135 s against 40 s) and train in shared-prefix rows, as the demo (``trainer.shared_prefix``: a group's prompt once
 per row; ``--sf trainer.shared_prefix=false`` pads every sample's copy), and drop zero-variance groups
 (``--filter-zero-variance 0`` turns that off); TRL does not, so the comparison with TRL is of the two systems as
 configured, the one with sync of asynchrony alone. Its

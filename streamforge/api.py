@@ -55,6 +55,10 @@ class RLConfig:
     max_staleness: int = 2  # staleness.max_versions: 0 = synchronous (TRL AsyncGRPOTrainer's max_staleness)
     max_policy_lag: int | None = None  # generator.max_policy_lag; None = derived from max_staleness
     num_generators: int = 1
+    # topics.episodes_partitions: the run's one buffer forms each batch from one partition's groups, so with more
+    # partitions a batch waits for its partition to fill while the trainer moves on (streamforge/staleness.py);
+    # bench/e2e.py's synchronous mode dropped 58% of its episodes as stale with 4 and took 135 s, 40 s with 1
+    episodes_partitions: int = 1
     seed: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # {"buffer.advantage": "rloo", ...}
 
@@ -73,6 +77,7 @@ class RLConfig:
             f"staleness.max_versions={self.max_staleness}",
             f"buffer.groups_per_batch={self.prompts_per_step}",
             f"up.generators={self.num_generators}",
+            f"topics.episodes_partitions={self.episodes_partitions}",
         ]
         if self.max_policy_lag is not None:
             out.append(f"generator.max_policy_lag={self.max_policy_lag}")
