@@ -192,3 +192,19 @@ def test_answer_tag_rewards(text, fmt, correct):
 )
 def test_last_number_reward(text, expected):
     assert BUILTINS["last_number"](P("8"), text) == expected
+
+
+async def test_text_builtins_score_in_the_event_loop_and_fail_per_sample():
+    """``INLINE`` builtins need no thread: they score with the pool shut down; a builtin that raises fails its own
+    sample with ``reward_error`` as it would in a thread, and the other samples keep their scores."""
+    from producers.rewards import BUILTINS, INLINE
+
+    assert BUILTINS["reasoning_gym"] not in INLINE and BUILTINS["toy"] in INLINE
+    rs = RewardSet(["toy", "exact", "length"], timeout_s=5)
+    rs.close()  # no thread left to run a reward
+    results = await rs.score_group(P("7"), ["7", "3"])
+    assert [r.components["toy"] for r in results] == [1.0, 0.0]
+    assert [r.components["exact"] for r in results] == [1.0, 0.0]
+    bad = Prompt(prompt_id="p", task="no_such_task", text="x", answer="1")
+    results = await rs.score_group(bad, ["1", "2"])
+    assert all(isinstance(r, RewardFailed) and r.reason == "reward_error" and r.name == "toy" for r in results)
