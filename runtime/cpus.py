@@ -4,7 +4,9 @@ On a CPU host the generator's vLLM engine and the trainer compete for the same c
 processes time-slicing one core wait at each other's barriers, so giving each role its own cores (``trainer.cpus``,
 ``generator.cpus``) can be faster than sharing all of them. ``pin(cpus)`` restricts this process (and the children
 it starts afterwards, such as vLLM's engine core and worker) to those cores; vLLM's CPU worker binds its OpenMP
-threads itself, from ``VLLM_CPU_OMP_THREADS_BIND``, which the generator sets from the same list.
+threads itself, from ``VLLM_CPU_OMP_THREADS_BIND``, which the generator sets from the same list. Once its engine
+has started, the generator can move its own process elsewhere (``generator.loop_cpus``: ``pin`` again, checked
+against the cores it could use before the first ``pin``), leaving the engine's processes where they are.
 """
 
 from __future__ import annotations
