@@ -229,6 +229,19 @@ def test_nan_reward_and_mismatched_lengths_are_invalid() -> None:
         codec.encode(_episode(logprobs=np.zeros(2, dtype=np.float32)))
 
 
+def test_non_finite_turn_rewards_are_invalid_and_empty_ones_valid() -> None:
+    """A single-turn episode (no turn rewards) skips the check; a multi-turn one with an inf reward is refused on
+    both sides of the wire."""
+    assert codec.decode(codec.encode(_episode())).turn_rewards.size == 0
+    bad = _episode(turn_rewards=np.array([0.5, np.inf], dtype=np.float32))
+    with pytest.raises(InvalidMessage, match="not finite"):
+        codec.encode(bad)
+    obj = msgpack.unpackb(codec.encode(_episode(turn_rewards=np.array([0.5, 1.0], dtype=np.float32))), raw=False)
+    obj["turn_rewards"]["data"] = np.array([0.5, np.nan], dtype="<f4").tobytes()
+    with pytest.raises(InvalidMessage, match="not finite"):
+        codec.decode(msgpack.packb(obj, use_bin_type=True))
+
+
 def test_wrong_tensor_dtype_or_shape_is_rejected() -> None:
     obj = msgpack.unpackb(codec.encode(_episode()), raw=False)
     obj["logprobs"]["dtype"] = "float64"
