@@ -104,7 +104,11 @@ def test_train_engine_steps_alike_with_and_without_shared_prefix(tiny_dir: Path,
         assert abs(a["loss"] - b["loss"]) <= 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4
         assert a["tokens"] == b["tokens"] and abs(a["logprob_drift"] - b["logprob_drift"]) <= 1e-5
     assert m_pad[1]["logprob_drift"] > 0  # the first step moved the weights
-    assert max(float((a - b).abs().max()) for a, b in zip(w_pad, w_pre, strict=True)) <= 1e-5
+    # AdamW scales each parameter's update by its gradient's own running size, so a parameter whose gradient is at
+    # rounding level moves by up to lr either way on rounding alone: 1.2-2e-5 apart with 1, 3 or 8 threads (3e-6
+    # with 2). A tenth of one step (lr 1e-3) is still far below what a wrong gradient does (whole steps); the losses
+    # and gradient norms above are compared at rounding level
+    assert max(float((a - b).abs().max()) for a, b in zip(w_pad, w_pre, strict=True)) <= 1e-4
 
 
 def test_one_rl_step_with_a_reference_model(tiny_dir: Path):
