@@ -39,9 +39,15 @@ per row; ``--sf trainer.shared_prefix=false`` pads every sample's copy), and dro
 configured, the one with sync of asynchrony alone. Its
 ``reward`` and streamforge's ``reward_mean`` are both the mean over every sampled completion.
 
+Rounds: ``--rounds`` (default 3) runs every system once per round, the order alternating round by round, on the
+same warm-started model; each ``*_s`` key is the median of that system's times and each ``speedup_*`` the median of
+the rounds' ratios (``bench/reading.py``: a missed target counts as infinitely slow), ``rounds`` lists every time.
+One round is no reading: on one day TRL took 6.9-8.9 s and async 13.3-15.5 s, single rounds read ``speedup_vs_trl``
+0.465-0.582 (bench/RESULTS.md, 2026-12-05). ``--breakdown`` reads the last round's runs.
+
 Variants: ``--task addmod10 --max-tokens 2`` (default) and a generation-heavy one, e.g. ``--task reverse
 --max-tokens 8``. Last line: ``{"bench": "e2e", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
-"speedup_vs_sync": B/C, ...}``.
+"speedup_vs_sync": B/C, ..., "rounds": {...}}``.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ from typing import Any
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.reading import median, ratio  # how several rounds are read, shared with bench/realmodel.py
 
 
 def time_to_target(rows: list[tuple[float, float]], target: float, window: int) -> tuple[float | None, float]:
@@ -221,6 +229,8 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=3000)
     p.add_argument("--budget-s", type=float, default=900.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every system (the order alternating); the JSON line holds medians")
     p.add_argument("--warmstart", type=float, default=0.3, help="supervised warm-start accuracy (0 = none)")
     p.add_argument("--async-staleness", type=int, default=4, help="staleness.max_versions of the async mode")
     p.add_argument("--async-publish-every", type=int, default=3, help="trainer.publish_every of the async mode")
@@ -247,30 +257,38 @@ def main() -> None:
     model_dir = build_tiny_model(out / "model", seed=args.seed)
     if args.warmstart > 0:  # the same supervised warm start as the demo, shared by all three systems
         print("warm start:", warm_start(model_dir, args.task, target_accuracy=args.warmstart, seed=args.seed))
-    res: dict[str, dict[str, Any]] = {}
     systems = args.systems.split(",")
-    if "trl" in systems:
-        res["trl"] = run_trl(model_dir, args, out)
-    if "sync" in systems:
-        res["sync"] = run_streamforge(model_dir, args, out, lag=0)
-    if "async" in systems:
-        res["async"] = run_streamforge(model_dir, args, out, lag=args.async_staleness)
-    for name, r in res.items():
-        print(f"{name:6s} time to {args.target}: {r['seconds']} s  best running reward {r['best_reward']:.3f}  "
-              f"steps {r['steps']}")
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for i in range(args.rounds):  # the order alternates round by round, so the machine's drift hits all alike
+        res: dict[str, dict[str, Any]] = {}
+        for name in systems if i % 2 == 0 else systems[::-1]:
+            if name == "trl":
+                res["trl"] = run_trl(model_dir, args, out / f"round-{i}")
+            elif name in ("sync", "async"):
+                lag = 0 if name == "sync" else args.async_staleness
+                res[name] = run_streamforge(model_dir, args, out / f"round-{i}", lag=lag)
+        for name, r in res.items():
+            print(f"round {i} {name:6s} time to {args.target}: {r['seconds']} s  best running reward "
+                  f"{r['best_reward']:.3f}  steps {r['steps']}", flush=True)
+        rounds.append(res)
     phases = {}
-    if args.breakdown:
+    if args.breakdown:  # from the last round's runs
         for name in ("sync", "async"):
-            if name in res:
-                phases[name] = breakdown(res[name]["run_dir"])
+            if name in rounds[-1]:
+                phases[name] = breakdown(rounds[-1][name]["run_dir"])
                 print(f"{name:6s} breakdown (ms, medians):", orjson.dumps(phases[name]).decode())
-    a = res.get("trl", {}).get("seconds")
-    b = res.get("sync", {}).get("seconds")
-    c = res.get("async", {}).get("seconds")
+
+    def col(name: str) -> list[float | None]:
+        return [r.get(name, {}).get("seconds") for r in rounds]
+
+    a, b, c = col("trl"), col("sync"), col("async")
     print(orjson.dumps({
-        "bench": "e2e", "task": args.task, "max_tokens": args.max_tokens, "trl_s": a, "sync_s": b, "async_s": c,
-        "speedup_vs_trl": (a / c) if a and c else None, "speedup_vs_sync": (b / c) if b and c else None,
-        "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()}, "generator_cpus": args.generator_cpus,
+        "bench": "e2e", "task": args.task, "max_tokens": args.max_tokens, "trl_s": median(a), "sync_s": median(b),
+        "async_s": median(c), "speedup_vs_trl": median([ratio(x, y) for x, y in zip(a, c)]),
+        "speedup_vs_sync": median([ratio(x, y) for x, y in zip(b, c)]),
+        "best_reward": {k: round(max(r[k]["best_reward"] for r in rounds if k in r), 3) for k in rounds[0]},
+        "generator_cpus": args.generator_cpus, "rounds": {k: [r.get(k, {}).get("seconds") for r in rounds]
+                                                           for k in rounds[0]},
         **({"breakdown": phases} if phases else {}),
     }).decode())
 

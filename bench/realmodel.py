@@ -22,8 +22,16 @@ sampled completion (TRL's ``reward``, streamforge's ``reward_mean``). Time count
 running mean over ``--window`` steps first reaches ``--target``: from the first training step (``*_s``) and from the
 process start (``*_wall_s``: imports, brokers, engines, model conversion cache warm). ``null`` where the target was
 not reached; ``best_reward`` says how far each got. The reward curves of all three go to ``OUT/realmodel.png``.
+Rounds: ``--seeds`` (default ``0,1,2``) runs every system once per seed (``run.seed`` for streamforge,
+``GRPOConfig.seed`` for TRL: the prompts' order and the sampling), the order of the systems alternating round by
+round. One run is not a reading: streamforge's steps to the target vary by about three either way with the order in
+which groups complete (sync 12-16, async 14-18 on seeds 0-2), so one pair's ``speedup_vs_sync`` read anywhere from
+0.95 to 1.46. Each ``*_s`` key is the median over the seeds of that system's time, and each ``speedup_*`` the median
+over the seeds of that seed's ratio (a system that missed the target counts as infinitely slow); ``per_seed`` has
+every reading. Each seed's runs go to ``OUT/seed-N/``; ``OUT/realmodel.png`` has one panel per seed.
 Last line: ``{"bench": "realmodel", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
-"speedup_vs_sync": B/C, "trl_wall_s": ..., "async_wall_s": ..., "speedup_vs_trl_wall": ..., "trl_config": ...}``.
+"speedup_vs_sync": B/C, "trl_wall_s": ..., "async_wall_s": ..., "speedup_vs_trl_wall": ..., "trl_config": ...,
+"seeds": [...], "per_seed": {...}}``.
 """
 
 from __future__ import annotations
@@ -41,6 +49,8 @@ import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench.reading import median, ratio  # how several seeds are read, shared with bench/e2e.py
 
 
 def time_to_target(rows: list[tuple[float, float]], target: float, window: int, t_start: float
@@ -84,6 +94,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from producers.sources import open_source
 
     s = settings(args.config)
+    s["seed"] = args.seed
     model_dir = ensure_source_model(s["model"])
     prompts = list(open_source(s["source"], seed=s["seed"], num_prompts=20_000))
     rows = [{"prompt": [{"role": "user", "content": p.text}] if s["chat"] else p.text, "answer": p.answer,
@@ -170,7 +181,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         t0 = time.time()
         proc = subprocess.run([sys.executable, __file__, "--worker", "trl", "--out", str(out), "--config",
                                args.config, "--budget-s", str(args.budget_s), "--target", str(args.target),
-                               "--window", str(args.window), "--trl-configs", name],
+                               "--window", str(args.window), "--trl-configs", name, "--seed", str(args.seed)],
                               cwd=ROOT, capture_output=True, text=True, check=False)
         logs.append(f"== TRL configuration {name} (exit {proc.returncode})\n{proc.stdout}{proc.stderr}")
         info: dict[str, Any] = {"trl_config": None, "tried": []}
@@ -199,7 +210,8 @@ def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str,
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "streamforge", "up", "--config", args.config, "--run-dir", str(run_dir),
            f"--trainer.reward_target={args.target}", f"--trainer.reward_window={args.window}",
-           "--trainer.max_steps=100000", "--trainer.checkpoint_every=100000", f"--up.max_wall_s={args.budget_s}"]
+           "--trainer.max_steps=100000", "--trainer.checkpoint_every=100000", f"--up.max_wall_s={args.budget_s}",
+           f"--run.seed={args.seed}"]
     cmd += args.sf_args
     if mode == "sync":
         cmd += ["--staleness.max_versions=0", "--trainer.publish_busy=wait"]
@@ -214,29 +226,53 @@ def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str,
             "exit_code": proc.returncode, "run_dir": str(run_dir)}
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path, window: int, target: float) -> None:
+def plot(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, window: int, target: float) -> None:
+    """One panel per seed: each system's reward per step (faint) and its running mean, against seconds from the
+    system's first training step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name, r in results.items():
-        rows = r["rows"]
-        if not rows:
-            continue
-        xs = [t - rows[0][0] for t, _ in rows]
-        running = [sum(v for _, v in rows[max(0, i - window + 1): i + 1]) / len(rows[max(0, i - window + 1): i + 1])
-                   for i in range(len(rows))]
-        ax.plot(xs, [v for _, v in rows], alpha=0.25)
-        ax.plot(xs, running, label=f"{name} (running mean of {window})", color=ax.lines[-1].get_color())
-    ax.axhline(target, ls="--", c="gray", lw=1)
-    ax.set_xlabel("seconds from the first training step")
-    ax.set_ylabel("mean reward per step")
-    ax.legend()
+    colors = {"trl": "tab:blue", "sync": "tab:orange", "async": "tab:green"}
+    fig, axes = plt.subplots(1, len(per_seed), figsize=(6 * len(per_seed), 4.5), squeeze=False, sharey=True)
+    for ax, (seed, results) in zip(axes[0], per_seed.items()):
+        for name, r in results.items():
+            rows = r["rows"]
+            if not rows:
+                continue
+            xs = [t - rows[0][0] for t, _ in rows]
+            running = [sum(v for _, v in rows[max(0, i - window + 1): i + 1])
+                       / len(rows[max(0, i - window + 1): i + 1]) for i in range(len(rows))]
+            color = colors.get(name)
+            ax.plot(xs, [v for _, v in rows], alpha=0.25, color=color)
+            ax.plot(xs, running, label=f"{name} (running mean of {window})", color=color)
+        ax.axhline(target, ls="--", c="gray", lw=1)
+        ax.set_title(f"seed {seed}")
+        ax.set_xlabel("seconds from the first training step")
+        ax.legend()
+    axes[0][0].set_ylabel("mean reward per step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def run_seed(args: argparse.Namespace, out: Path, seed: int, order: list[str]) -> dict[str, dict[str, Any]]:
+    """Every system once on ``seed`` (in ``order``), each read as time to target."""
+    args.seed = seed
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trl.jsonl").unlink(missing_ok=True)
+    res: dict[str, dict[str, Any]] = {}
+    for name in order:
+        r = run_trl(args, out) if name == "trl" else run_streamforge(args, out, name)
+        first, wall, best = time_to_target(r["rows"], args.target, args.window, r["t_start"])
+        r.update(seconds=first, wall_seconds=wall, best_reward=best, steps=len(r["rows"]),
+                 startup_s=(r["rows"][0][0] - r["t_start"]) if r["rows"] else None)
+        res[name] = r
+        print(f"seed {seed} {name:6s} to {args.target}: {first} s from the first step, {wall} s from start; best "
+              f"running reward {best:.3f} in {len(r['rows'])} steps; start-up {r['startup_s']} s; exit "
+              f"{r['exit_code']}", flush=True)
+    return res
 
 
 def main() -> None:
@@ -246,11 +282,14 @@ def main() -> None:
     p.add_argument("--window", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=1800.0, help="wall-clock budget per system")
     p.add_argument("--systems", default="trl,sync,async")
+    p.add_argument("--seeds", default="0,1,2",
+                   help="run.seed of each round (every system once per seed); the JSON line holds medians")
     p.add_argument("--trl-configs", default="async,vllm-colocate,transformers")
     p.add_argument("--async-staleness", type=int, default=-1,
                    help="staleness.max_versions of the async mode (-1 = the config's)")
     p.add_argument("--out", default="")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the worker's
     p.add_argument("sf_args", nargs="*", help="extra streamforge overrides (--section.key=value), after --")
     args = p.parse_args()
     if args.worker == "trl":
@@ -258,35 +297,34 @@ def main() -> None:
         return
     out = Path(args.out or ROOT / "runs" / "bench-realmodel")
     out.mkdir(parents=True, exist_ok=True)
-    for stale in ("trl.jsonl",):
-        (out / stale).unlink(missing_ok=True)
     s = settings(args.config)
-    print("settings:", orjson.dumps(s).decode(), flush=True)
-    res: dict[str, dict[str, Any]] = {}
-    for name in args.systems.split(","):
-        r = run_trl(args, out) if name == "trl" else run_streamforge(args, out, name)
-        first, wall, best = time_to_target(r["rows"], args.target, args.window, r["t_start"])
-        r.update(seconds=first, wall_seconds=wall, best_reward=best, steps=len(r["rows"]),
-                 startup_s=(r["rows"][0][0] - r["t_start"]) if r["rows"] else None)
-        res[name] = r
-        print(f"{name:6s} to {args.target}: {first} s from the first step, {wall} s from start; best running "
-              f"reward {best:.3f} in {len(r['rows'])} steps; start-up {r['startup_s']} s; exit {r['exit_code']}",
-              flush=True)
-    plot(res, out / "realmodel.png", args.window, args.target)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    print("settings:", orjson.dumps({**s, "seed": seeds}).decode(), flush=True)
+    systems = args.systems.split(",")
+    per_seed: dict[int, dict[str, dict[str, Any]]] = {}
+    for i, seed in enumerate(seeds):  # the order alternates round by round, so drift of the machine hits all alike
+        per_seed[seed] = run_seed(args, out / f"seed-{seed}", seed, systems if i % 2 == 0 else systems[::-1])
+        plot(per_seed, out / "realmodel.png", args.window, args.target)
 
-    def get(name: str, key: str) -> float | None:
-        return res.get(name, {}).get(key)
+    def col(name: str, key: str) -> list[float | None]:
+        return [per_seed[sd].get(name, {}).get(key) for sd in seeds]
 
-    a, b, c = get("trl", "seconds"), get("sync", "seconds"), get("async", "seconds")
-    aw, cw = get("trl", "wall_seconds"), get("async", "wall_seconds")
+    a, b, c = col("trl", "seconds"), col("sync", "seconds"), col("async", "seconds")
+    aw, cw = col("trl", "wall_seconds"), col("async", "wall_seconds")
+    trl_cfg = next((v for v in col("trl", "trl_config") if v), None)
+    tried = next((v for v in col("trl", "tried") if v), None)
     print(orjson.dumps({
-        "bench": "realmodel", "trl_s": a, "sync_s": b, "async_s": c,
-        "speedup_vs_trl": (a / c) if a and c else None, "speedup_vs_sync": (b / c) if b and c else None,
-        "trl_wall_s": aw, "async_wall_s": cw, "speedup_vs_trl_wall": (aw / cw) if aw and cw else None,
-        "trl_config": get("trl", "trl_config"), "trl_tried": get("trl", "tried"),
-        "best_reward": {k: round(v["best_reward"], 3) for k, v in res.items()},
-        "steps": {k: v["steps"] for k, v in res.items()}, "target": args.target, "window": args.window,
-    }).decode())
+        "bench": "realmodel", "trl_s": median(a), "sync_s": median(b), "async_s": median(c),
+        "speedup_vs_trl": median([ratio(x, y) for x, y in zip(a, c)]),
+        "speedup_vs_sync": median([ratio(x, y) for x, y in zip(b, c)]),
+        "trl_wall_s": median(aw), "async_wall_s": median(cw),
+        "speedup_vs_trl_wall": median([ratio(x, y) for x, y in zip(aw, cw)]),
+        "trl_config": trl_cfg, "trl_tried": tried, "seeds": seeds,
+        "per_seed": {sd: {name: {"s": r["seconds"], "wall_s": r["wall_seconds"], "steps": r["steps"],
+                                 "best_reward": round(r["best_reward"], 3)} for name, r in res.items()}
+                     for sd, res in per_seed.items()},
+        "target": args.target, "window": args.window,
+    }, option=orjson.OPT_NON_STR_KEYS).decode())
 
 
 if __name__ == "__main__":

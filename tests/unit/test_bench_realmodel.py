@@ -1,0 +1,38 @@
+"""``bench/realmodel.py``'s reading: time to target per run, per-seed ratios and their medians (a miss counts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_realmodel():
+    spec = importlib.util.spec_from_file_location("bench_realmodel", ROOT / "bench" / "realmodel.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_time_to_target_needs_a_full_window_and_counts_from_the_first_step() -> None:
+    rm = load_realmodel()
+    rows = [(100.0 + 10 * i, r) for i, r in enumerate([0.9, 0.1, 0.5, 0.7, 0.8])]
+    # the first step alone reads 0.9, but a window of 3 must be full: steps 3-5 average 0.667
+    first, wall, best = rm.time_to_target(rows, 0.6, 3, 90.0)
+    assert first == 40.0 and wall == 50.0 and best == pytest.approx(2 / 3)  # the running mean at the hit
+    assert rm.time_to_target(rows, 0.95, 3, 90.0)[:2] == (None, None)
+
+
+def test_a_missed_target_is_infinitely_slow_in_the_medians() -> None:
+    rm = load_realmodel()
+    assert rm.ratio(120.0, 80.0) == 1.5
+    assert rm.ratio(None, 80.0) == math.inf and rm.ratio(120.0, None) == 0.0 and rm.ratio(None, None) is None
+    # seeds: async won 1.5x, missed its target, and won 1.2x: the median is 1.2, not the mean of the two it reached
+    assert rm.median([rm.ratio(120.0, 80.0), rm.ratio(90.0, None), rm.ratio(96.0, 80.0)]) == pytest.approx(1.2)
+    # two misses of three: the median time is a miss (None), as is a run where nothing was measured
+    assert rm.median([math.inf, math.inf, 10.0]) is None and rm.median([None, None]) is None
+    assert rm.median([None, 3.0, 5.0]) == 4.0
