@@ -36,7 +36,14 @@ tokens sampled by the behaviour policy (DeepSeek-V3.2); the ``kl`` metric is tha
 ``A_i < 0`` whose mean ``old - sg(logp)`` over the mask exceeds it (TRL's off-policy sequence mask, for stale
 episodes); ``ratio_mask_threshold`` (``c > 1``) zeroes the loss of tokens whose ``sg(r)`` lies outside
 ``[1/c, c]`` (masked importance sampling: a token the behaviour policy made far likelier or unlikelier than the
-current one carries no gradient; the normaliser is unchanged).
+current one carries no gradient; the normaliser is unchanged). ``behaviour_correction`` (a clip-objective loss:
+grpo, bnpo, dapo, dr_grpo, gspo) computes the loss as TRL's GRPOTrainer does on vLLM samples
+(``vllm_importance_sampling_correction``): ``r`` is taken against the proximal policy (``prox_logprobs``; with one
+optimizer step per batch ``sg(logp)``, so the clip never binds), and each token's term is weighed by
+``behaviour_weight(pi_prox / pi_behav)`` in TRL's mode of the same name (``"sequence_mask"``, TRL's default, with
+``behaviour_clip_max`` 3.0 and ``behaviour_clip_min``; ``"token_truncate"``, ...). Without it the clip anchors on the
+behaviour logprobs, which drift from the trainer's (bf16, and a stale batch's older weights) and clip tokens whose
+ratio is off by rounding or staleness rather than by this step.
 
 Data parallelism: with ``trainer.world_size / trainer.tp > 1`` data-parallel ranks, each rank sees only its share
 of the batch's rows, and FSDP averages the ranks' gradients. The trainer keeps the step equal to one process on
@@ -62,12 +69,21 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from consumers.loss_terms import (
+    AGGREGATIONS,
+    BEHAVIOUR_MODES,
+    BatchTotals,
+    aggregate,
+    behaviour_weight,
+    k3_kl,
+    masked_mean,
+    off_policy_mask,
+)
 from topics.errors import ConfigError
 
 Metrics = dict[str, float]
@@ -77,18 +93,6 @@ class LossFn(Protocol):
     def __call__(self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
                  ref_logprobs: Tensor | None = None, *, entropy: Tensor | None = None,
                  prox_logprobs: Tensor | None = None) -> tuple[Tensor, Metrics]: ...  # (+ totals, optional)
-
-
-AGGREGATIONS = ("seq", "token", "const")
-
-
-@dataclass(frozen=True, slots=True)
-class BatchTotals:
-    """The whole batch's counts, for a data-parallel rank that holds a share of its rows."""
-
-    rows: int  # B, the batch's rows (episodes)
-    tokens: float  # the sum of the batch's loss mask
-    width: int  # T, the batch's token columns (``const`` aggregation without max_completion_length)
 
 
 _REGISTRY: dict[str, Callable[..., LossFn]] = {}
@@ -210,44 +214,6 @@ def dp_share(fn: LossFn, totals: BatchTotals, *, real_rows: int, scale: float = 
     return call  # type: ignore[return-value]
 
 
-# --- pieces ------------------------------------------------------------------------------------------------------
-
-
-def masked_mean(x: Tensor, mask: Tensor, totals: BatchTotals | None = None) -> Tensor:
-    """``sum(x m) / max(1, sum m)``; with ``totals`` the denominator is the whole batch's token count (a share)."""
-    tokens = mask.sum().clamp(min=1.0) if totals is None else max(1.0, totals.tokens)
-    return (x * mask).sum() / tokens
-
-
-def aggregate(per_token: Tensor, mask: Tensor, how: str, max_completion_length: int | None = None,
-              totals: BatchTotals | None = None) -> Tensor:
-    """Reduce ``[B, T]`` (or ``[B, 1]`` broadcast) per-token losses to a scalar; see the module docstring. With
-    ``totals`` the rows/tokens/width of the normalisers are the whole batch's, so the result is this share's part."""
-    per_token = per_token.expand_as(mask)
-    rows = mask.shape[0] if totals is None else totals.rows
-    if how == "seq":
-        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(1, rows)
-    if how == "token":
-        return masked_mean(per_token, mask, totals)
-    if how == "const":
-        width = max_completion_length or (mask.shape[1] if totals is None else totals.width)
-        return (per_token * mask).sum() / (max(1, rows) * width)
-    raise ValueError(f"unknown aggregation {how!r}")
-
-
-def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 estimator of KL(pi || pi_ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0)."""
-    d = ref_logprobs - logprobs
-    return torch.exp(d) - d - 1
-
-
-def off_policy_mask(advantages: Tensor, logprobs: Tensor, old_logprobs: Tensor, mask: Tensor,
-                    threshold: float) -> Tensor:
-    """``[B, 1]``: 0 for rows with negative advantage whose mean ``old - sg(logp)`` exceeds ``threshold``."""
-    kl = ((old_logprobs - logprobs.detach()) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0)
-    return ((advantages >= 0) | (kl <= threshold)).to(mask.dtype)
-
-
 def _f(x: Tensor) -> float:
     return float(x.detach().item())
 
@@ -278,7 +244,9 @@ class PolicyLoss:
                  entropy_coef: float = 0.0, max_completion_length: int | None = None,
                  off_policy_mask_threshold: float | None = None, sapo_temperature_pos: float = 1.0,
                  sapo_temperature_neg: float = 1.05, is_cap: float = 2.0,
-                 ratio_mask_threshold: float | None = None, use_bias_correction_kl: bool = True) -> None:
+                 ratio_mask_threshold: float | None = None, use_bias_correction_kl: bool = True,
+                 behaviour_correction: str | None = None, behaviour_clip_min: float | None = None,
+                 behaviour_clip_max: float | None = 3.0) -> None:
         if epsilon < 0 or (epsilon_high is not None and epsilon_high < 0):
             raise ConfigError("trainer.loss_args.epsilon", "must be >= 0")
         if delta is not None and delta <= 1.0:
@@ -289,6 +257,9 @@ class PolicyLoss:
             raise ConfigError("trainer.loss_args.is_cap", "must be positive")
         if ratio_mask_threshold is not None and ratio_mask_threshold <= 1:
             raise ConfigError("trainer.loss_args.ratio_mask_threshold", "must be > 1")
+        if behaviour_correction is not None and (objective != "clip" or behaviour_correction not in BEHAVIOUR_MODES):
+            raise ConfigError("trainer.loss_args.behaviour_correction",
+                              f"one of {BEHAVIOUR_MODES}, for a clip-objective loss (got {behaviour_correction!r})")
         self.objective, self.aggregation, self.level = objective, aggregation, level
         self.epsilon_low = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
@@ -299,7 +270,9 @@ class PolicyLoss:
         self.is_cap = is_cap
         self.ratio_mask_threshold = ratio_mask_threshold
         self.use_bias_correction_kl = use_bias_correction_kl
-        self.proximal = objective == "decoupled"  # reads prox_logprobs (wants_proximal)
+        self.behaviour = (behaviour_correction, behaviour_clip_min, behaviour_clip_max)
+        # reads prox_logprobs (wants_proximal)
+        self.proximal = objective == "decoupled" or behaviour_correction is not None
 
     def _log_weights(self, log_ratio: Tensor, mask: Tensor) -> Tensor:
         if self.level == "token":
@@ -322,6 +295,11 @@ class PolicyLoss:
         mask = mask.to(logprobs.dtype)
         mean = functools.partial(masked_mean, totals=totals)
         adv = advantages.to(logprobs.dtype).unsqueeze(-1)  # [B, 1]
+        correction, sampled = None, old_logprobs
+        if self.behaviour[0] is not None:  # the clip anchors on the proximal policy; the behaviour's ratio weighs
+            prox = logprobs.detach() if prox_logprobs is None else prox_logprobs.detach()
+            correction = behaviour_weight(prox, old_logprobs, mask, *self.behaviour)
+            old_logprobs = prox
         coef = torch.exp(self._log_weights(logprobs - old_logprobs, mask))
         region = None
         metrics: Metrics = {}
@@ -348,16 +326,18 @@ class PolicyLoss:
         else:
             raise ValueError(f"unknown objective {self.objective!r}")
         if self.off_policy_mask_threshold is not None:
-            keep = off_policy_mask(advantages.unsqueeze(-1), logprobs, old_logprobs, mask,
-                                   self.off_policy_mask_threshold)
+            keep = off_policy_mask(advantages.unsqueeze(-1), logprobs, sampled, mask, self.off_policy_mask_threshold)
             per_token = per_token * keep
             rows = keep.shape[0] if totals is None else totals.rows
             metrics["off_policy_masked"] = _f((1 - keep).sum() / max(1, rows))
         if self.ratio_mask_threshold is not None:
-            r = torch.exp(logprobs.detach() - old_logprobs)
+            r = torch.exp(logprobs.detach() - sampled)
             keep = ((r <= self.ratio_mask_threshold) & (r >= 1 / self.ratio_mask_threshold)).to(mask.dtype)
             per_token = per_token * keep
             metrics["ratio_masked"] = _f(mean(1 - keep, mask))
+        if correction is not None:
+            per_token = per_token * correction
+            metrics["behav_weight_mean"] = _f(mean(correction.expand_as(mask), mask))
         if self.beta != 0.0:
             if ref_logprobs is None:
                 raise ValueError("beta > 0 needs ref_logprobs")

@@ -313,3 +313,28 @@ def test_sft_loss_share():
     totals = BatchTotals(rows=2, tokens=4.0, width=3)
     parts = [sft_loss(logp[i:i + 1], mask[i:i + 1], totals=totals)[0] for i in range(2)]
     assert sum(p.item() for p in parts) == pytest.approx(whole.item()) == pytest.approx(7 / 4)
+
+
+def test_behaviour_correction_anchors_the_clip_on_the_proximal_policy() -> None:
+    """With ``behaviour_correction`` the trainer passes the proximal logprobs (``wants_proximal``) and the clip
+    binds against them, not against the behaviour's: a token the behaviour made less likely than the proximal
+    policy is weighed by the ratio, not clipped; a clip-free objective or an unknown mode is refused naming the key."""
+    from consumers.losses import wants_proximal
+
+    fn = make_loss("grpo", behaviour_correction="token_truncate", behaviour_clip_max=2.0)
+    assert wants_proximal(fn) and not wants_proximal(make_loss("grpo"))
+    logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    behav = torch.tensor([[-1.5, -1.0]])  # first token: prox/behav = e^0.5 = 1.65 (plain grpo clips it: r > 1.2)
+    mask, adv = torch.ones(1, 2), torch.tensor([1.0])
+    loss, m = fn(logp, behav, adv, mask, prox_logprobs=logp.detach())
+    loss.backward()
+    assert m["clip_fraction"] == 0.0 and m["behav_weight_mean"] == pytest.approx((math.exp(0.5) + 1) / 2, rel=1e-6)
+    assert torch.allclose(logp.grad, -torch.tensor([[math.exp(0.5), 1.0]]) / 2)
+    assert make_loss("grpo")(logp, behav, adv, mask)[1]["clip_fraction"] == 0.5
+    # several steps: the clip binds against the proximal policy once this step's weights left it
+    _, m = fn(logp, behav, adv, mask, prox_logprobs=torch.tensor([[-1.5, -1.5]]))
+    assert m["clip_fraction"] == 1.0
+    for bad in ({"behaviour_correction": "sequence"}, {"behaviour_correction": "token_mask", "epsilon": 0.1}):
+        name = "grpo" if "epsilon" not in bad else "cispo"
+        with pytest.raises(ConfigError, match="behaviour_correction"):
+            make_loss(name, **bad)

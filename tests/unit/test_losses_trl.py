@@ -161,3 +161,57 @@ def test_defaults_are_grpoconfigs():
         assert fn.sapo_temperature_pos == fields["sapo_temperature_pos"], name
         assert fn.sapo_temperature_neg == fields["sapo_temperature_neg"], name
         assert fn.level == ("sequence" if name == "gspo" else fields["importance_sampling_level"]), name
+
+
+def trl_vllm_is_ratio(trainer_lp: torch.Tensor, sampling_lp: torch.Tensor, mask: torch.Tensor, mode: str,
+                      lo: float | None, hi: float | None) -> torch.Tensor:
+    """TRL 1.16's ``importance_sampling_ratio`` input, as ``GRPOTrainer._generate_and_score_completions`` computes it
+    from the trainer's and vLLM's logprobs (that method generates, so it cannot be called here; these lines follow
+    it step by step: the masked difference, summed per row in the ``sequence_*`` modes, exp, then truncated or
+    masked)."""
+    diff = torch.nan_to_num((trainer_lp - sampling_lp) * mask, nan=0.0)
+    ratio = torch.exp(diff.sum(dim=-1, keepdim=True) if mode in ("sequence_mask", "sequence_truncate") else diff)
+    if mode in ("sequence_truncate", "token_truncate"):
+        return torch.clamp(ratio, min=lo, max=hi)
+    bad = (ratio < (lo if lo is not None else -float("inf"))) | (ratio > (hi if hi is not None else float("inf")))
+    return ratio.masked_fill(bad, 0.0)
+
+
+BEHAVIOUR = [("grpo", {}), ("grpo", {"behaviour_correction": "token_truncate", "behaviour_clip_max": 2.0}),
+             ("dapo", {"behaviour_correction": "sequence_truncate", "behaviour_clip_min": 0.5}),
+             ("gspo", {"behaviour_correction": "token_mask", "behaviour_clip_min": 0.8, "behaviour_clip_max": 1.3}),
+             ("grpo", {"off_policy_mask_threshold": 0.05}), ("bnpo", {"behaviour_clip_max": 1.5})]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("name,kw", BEHAVIOUR, ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'defaults'}"
+                                                    for n, kw in BEHAVIOUR])
+def test_behaviour_correction_equals_trl_on_vllm_samples(name, kw, beta):
+    """``behaviour_correction`` against TRL's loss on vLLM samples (``use_vllm``, its importance-sampling
+    correction on): TRL's old logprobs are its trainer's own (with one step per batch, the current ones), vLLM's
+    logprobs (our ``old_logprobs``) enter only through the importance ratio and the off-policy mask."""
+    kw = {"behaviour_correction": "sequence_mask", **kw}  # TRL's default mode
+    loss_type, level = COUNTERPARTS[name]
+    mode, lo, hi = kw["behaviour_correction"], kw.get("behaviour_clip_min"), kw.get("behaviour_clip_max", 3.0)
+    logp, vllm_lp, adv, mask, ref, ent = tensors()
+    trl_kw = {"vllm_importance_sampling_mode": mode, "vllm_importance_sampling_clip_min": lo,
+              "vllm_importance_sampling_clip_max": hi,
+              **{k: v for k, v in kw.items() if not k.startswith("behaviour_")}}
+    tr = trl_trainer(loss_type, level, beta=beta, use_vllm=True, vllm_importance_sampling_correction=True, **trl_kw)
+    ours_lp, theirs_lp = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    ours, m = make_loss(name, beta=beta, **kw)(ours_lp, vllm_lp, adv, mask, ref, entropy=ent)
+    b, t = logp.shape
+    tr._get_per_token_logps_and_entropies = lambda *a, **k: (theirs_lp, ent, None)
+    inputs = {"prompt_ids": torch.zeros(b, 1, dtype=torch.long), "prompt_mask": torch.ones(b, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(b, t, dtype=torch.long), "completion_mask": mask, "advantages": adv,
+              "old_per_token_logps": logp.detach(), "sampling_per_token_logps": vllm_lp,
+              "ref_per_token_logps": ref, "num_items_in_batch": mask.sum(),
+              "importance_sampling_ratio": trl_vllm_is_ratio(logp, vllm_lp, mask, mode, lo, hi)}
+    theirs = tr._compute_loss(None, inputs)
+    assert abs(ours.item() - theirs.item()) <= 1e-6 * max(1.0, abs(theirs.item())), (ours.item(), theirs.item())
+    ours.backward()
+    theirs.backward()
+    assert torch.allclose(ours_lp.grad, theirs_lp.grad, rtol=1e-5, atol=1e-7)
+    assert m["clip_fraction"] == 0.0 and 0.0 < m["behav_weight_mean"]  # the clip anchors on this step's policy
+    plain = make_loss(name, beta=beta, **{k: v for k, v in kw.items() if not k.startswith("behaviour_")})
+    assert abs(plain(logp, vllm_lp, adv, mask, ref)[0].item() - ours.item()) > 1e-4  # the correction changes it
