@@ -78,7 +78,7 @@ def settings(config: str) -> dict[str, Any]:
             "beta": float(cfg.trainer.loss_args.get("beta", 0.0)), "loss": cfg.trainer.loss,
             "temperature": cfg.generator.temperature, "chat": cfg.generator.chat_template,
             "rewards": list(cfg.generator.rewards), "weights": list(cfg.generator.reward_weights),
-            "model": cfg.model.source}
+            "model": cfg.model.source, "loss_args": dict(cfg.trainer.loss_args)}
 
 
 # -- TRL (in a worker process) ----------------------------------------------------------------------------
