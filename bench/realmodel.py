@@ -28,7 +28,9 @@ round. One run is not a reading: streamforge's steps to the target vary by about
 which groups complete (sync 12-16, async 14-18 on seeds 0-2), so one pair's ``speedup_vs_sync`` read anywhere from
 0.95 to 1.46. Each ``*_s`` key is the median over the seeds of that system's time, and each ``speedup_*`` the median
 over the seeds of that seed's ratio (a system that missed the target counts as infinitely slow); ``per_seed`` has
-every reading. Each seed's runs go to ``OUT/seed-N/``; ``OUT/realmodel.png`` has one panel per seed.
+every reading. Each seed's runs go to ``OUT/seed-N/``; ``OUT/realmodel.png`` has one panel per seed. A run's files
+over 32 MB (weights, checkpoints, broker segments: 5-7 GB a seed) are removed once it is read, unless
+``--keep-runs``.
 Last line: ``{"bench": "realmodel", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
 "speedup_vs_sync": B/C, "trl_wall_s": ..., "async_wall_s": ..., "speedup_vs_trl_wall": ..., "trl_config": ...,
 "seeds": [...], "per_seed": {...}}``.
@@ -201,6 +203,14 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 # -- streamforge --------------------------------------------------------------------------------------------
 
+def drop_heavy_files(run_dir: Path, limit: int = 32 << 20) -> None:
+    """Remove the run's files over ``limit`` bytes (weights, optimizer state, broker segments: 5-7 GB a seed); the
+    bench reads metrics, logs and the audit, which stay."""
+    for path in run_dir.rglob("*"):
+        if path.is_file() and not path.is_symlink() and path.stat().st_size > limit:
+            path.unlink()
+
+
 def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str, Any]:
     from streamforge.plots import read_metrics
 
@@ -222,6 +232,8 @@ def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str,
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     (out / f"sf-{mode}.log").write_text(proc.stdout + proc.stderr)
     rows = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    if not args.keep_runs:
+        drop_heavy_files(run_dir)
     return {"rows": [(float(r["time"]), float(r["reward_mean"])) for r in rows], "t_start": t0,
             "exit_code": proc.returncode, "run_dir": str(run_dir)}
 
@@ -288,6 +300,8 @@ def main() -> None:
     p.add_argument("--async-staleness", type=int, default=-1,
                    help="staleness.max_versions of the async mode (-1 = the config's)")
     p.add_argument("--out", default="")
+    p.add_argument("--keep-runs", action="store_true",
+                   help="keep each streamforge run's weights, checkpoints and broker data (5-7 GB a seed)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the worker's
     p.add_argument("sf_args", nargs="*", help="extra streamforge overrides (--section.key=value), after --")

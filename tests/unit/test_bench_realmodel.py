@@ -36,3 +36,15 @@ def test_a_missed_target_is_infinitely_slow_in_the_medians() -> None:
     # two misses of three: the median time is a miss (None), as is a run where nothing was measured
     assert rm.median([math.inf, math.inf, 10.0]) is None and rm.median([None, None]) is None
     assert rm.median([None, 3.0, 5.0]) == 4.0
+
+
+def test_a_read_run_keeps_its_metrics_and_drops_its_weights(tmp_path: Path) -> None:
+    rm = load_realmodel()
+    (tmp_path / "checkpoints" / "step-3").mkdir(parents=True)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 1}\n' * 100)
+    (tmp_path / "logs" / "trainer.log").write_text("ok\n")
+    (tmp_path / "checkpoints" / "step-3" / "model.pt").write_bytes(b"\0" * 2048)
+    rm.drop_heavy_files(tmp_path, limit=1500)
+    assert not (tmp_path / "checkpoints" / "step-3" / "model.pt").exists()
+    assert (tmp_path / "metrics.jsonl").stat().st_size == 1200 and (tmp_path / "logs" / "trainer.log").exists()
