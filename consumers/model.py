@@ -302,8 +302,7 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, *, temperature: fl
     lp = logp_all.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     ent = None
     if with_entropy:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            ent = -(logp_all.exp() * logp_all).sum(-1)
+        ent = entropy_of(logp_all, grad=torch.is_grad_enabled() and entropy_grad)
     if head is not None:  # back to [B, T - 1], zeros where nothing was scored
         lp = torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).masked_scatter(where, lp)
         if ent is not None:
@@ -352,10 +351,31 @@ def _prefix_logprobs(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     out = torch.zeros(where.shape, dtype=lp.dtype, device=lp.device).index_put((row, col), lp)
     ent = None
     if with_entropy:
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
-            e = -(logp_all.exp() * logp_all).sum(-1)
-            ent = torch.zeros(where.shape, dtype=e.dtype, device=e.device).index_put((row, col), e)
+        e = entropy_of(logp_all, grad=torch.is_grad_enabled() and entropy_grad)
+        ent = torch.zeros(where.shape, dtype=e.dtype, device=e.device).index_put((row, col), e)
     return out, ent
+
+
+# elements of one chunk of the entropy metric: on CPU a few MB that stay in cache (the whole [N, V] product, 200 MB
+# at 1,024 positions of a 49k vocabulary, is written to fresh pages: 0.4-0.7 s of a 8 s step); elsewhere 1 GB
+ENTROPY_CHUNK_ELEMENTS = {"cpu": 1 << 19}
+ENTROPY_CHUNK_DEFAULT = 1 << 28
+
+
+def entropy_of(logp: torch.Tensor, *, grad: bool) -> torch.Tensor:
+    """Entropy ``-sum(p log p)`` over the last dim of log-probabilities ``[N, V]``. With ``grad`` (an entropy term
+    in the loss) in one autograd expression; as a metric without autograd, in chunks of rows, which on CPU is 4-5x
+    faster and allocates no ``[N, V]`` intermediate."""
+    if grad:
+        return -(logp.exp() * logp).sum(-1)
+    with torch.no_grad():
+        flat = logp.reshape(-1, logp.shape[-1])
+        out = torch.empty(flat.shape[0], dtype=logp.dtype, device=logp.device)
+        step = max(1, ENTROPY_CHUNK_ELEMENTS.get(logp.device.type, ENTROPY_CHUNK_DEFAULT) // max(1, flat.shape[1]))
+        for i in range(0, flat.shape[0], step):
+            part = flat[i:i + step]
+            torch.sum(part.exp().mul_(part), dim=-1, out=out[i:i + step]).neg_()
+        return out.view(logp.shape[:-1])
 
 
 def _local_lm_head(model: nn.Module) -> nn.Module | None:

@@ -93,3 +93,17 @@ def test_entropy_carries_a_gradient_only_for_a_loss_that_uses_it(tiny_dir: Path)
         assert metrics["entropy"] > 0
         weights[coef] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert (weights[0.5] - weights[0.0]).abs().max() > 1e-6
+
+
+def test_entropy_metric_in_chunks_equals_the_whole_expression(monkeypatch: pytest.MonkeyPatch):
+    """The metric's chunks (a few rows at a time, so no ``[N, V]`` product is allocated) add up to the one-expression
+    entropy the loss differentiates, whatever the chunk size against the rows."""
+    import consumers.model as m
+
+    logp = torch.log_softmax(torch.randn(3, 7, 50, generator=torch.Generator().manual_seed(0)) * 3, dim=-1)
+    whole = m.entropy_of(logp.clone().requires_grad_(True), grad=True)
+    assert whole.requires_grad and whole.shape == (3, 7)
+    for chunk in (1, 50, 120, 1 << 19):  # under one row, one row, 2.4 rows, everything
+        monkeypatch.setitem(m.ENTROPY_CHUNK_ELEMENTS, "cpu", chunk)
+        part = m.entropy_of(logp, grad=False)
+        assert not part.requires_grad and torch.allclose(part, whole.detach(), atol=1e-6)
