@@ -8,8 +8,9 @@ backward, ``clip_grad_norm_`` and ``torch.optim.AdamW``. streamforge's step is `
 ``Batch`` (``scored``: the lm_head at the response tokens only), as the lever's control the same step with the
 projection of every position (``StepInputs.scored = None``), and the step in shared-prefix rows
 (``trainer.shared_prefix``: each group's prompt once, ``consumers/prefix.py``). The rows are groups of 8 samples
-of one prompt, as GRPO's are. The four alternate; each ratio is the median over ``--pairs`` rounds of (baseline
-seconds) / (streamforge seconds), so > 1 means streamforge is faster.
+of one prompt, as GRPO's are. The four run in turn, the order reversed every round, after ``--warmup`` uncounted
+rounds; each ratio is the median over ``--pairs`` rounds of (baseline seconds) / (streamforge seconds), so > 1
+means streamforge is faster.
 Last line: ``{"bench": "trainstep", "step_vs_transformers": X, "full_logits_vs_transformers": Y,
 "scored_speedup": Y_s / X_s, "shared_prefix_vs_transformers": Z, "shared_prefix_speedup": X_s / Z_s, ...}``.
 """
@@ -21,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -72,6 +74,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=36)
     p.add_argument("--response", type=int, default=32)
     p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (the first counted step of a path "
+                   "after a single warm-up round ran up to 1.9x its later ones)")
     p.add_argument("--model", default="smollm2-135m")
     args = p.parse_args()
 
@@ -93,25 +97,27 @@ def main() -> None:
         inputs.scored = None
         return rl_step(eng.policy.model, eng.opt, eng.sched, eng.loss_fn, inputs, grad_clip=cfg.grad_clip)["step_s"]
 
-    times: dict[str, list[float]] = {"streamforge": [], "full_logits": [], "transformers": [], "shared_prefix": []}
-    for i in range(args.pairs + 1):  # round 0 warms every path up and is not counted
+    def timed(engine: TrainEngine) -> Callable[[Batch], float]:
+        def run(batch: Batch) -> float:
+            t0 = time.perf_counter()
+            engine.step(batch)
+            return time.perf_counter() - t0
+        return run
+
+    paths: dict[str, Callable[[Batch], float]] = {
+        "streamforge": timed(eng), "full_logits": full_logits,
+        "transformers": lambda batch: base.step(batch, args.response), "shared_prefix": timed(shared)}
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for i in range(args.warmup + args.pairs):  # the warm-up rounds are not counted
         batch = synthetic_batch(rows=args.rows, prompt=args.prompt, response=args.response, vocab=vocab, seed=i)
         batch.input_ids[:, :args.prompt] = batch.input_ids[::8, :args.prompt].repeat(8, axis=0)[:args.rows]
-        t0 = time.perf_counter()
-        eng.step(batch)
-        sf = time.perf_counter() - t0
-        full = full_logits(batch)
-        tr = base.step(batch, args.response)
-        t0 = time.perf_counter()
-        shared.step(batch)
-        sp = time.perf_counter() - t0
-        print(f"round {i}: streamforge {sf:.2f} s, full logits {full:.2f} s, transformers {tr:.2f} s, "
-              f"shared prefix {sp:.2f} s", flush=True)
-        if i:
-            times["streamforge"].append(sf)
-            times["full_logits"].append(full)
-            times["transformers"].append(tr)
-            times["shared_prefix"].append(sp)
+        order = list(paths) if i % 2 == 0 else list(paths)[::-1]  # no path always first after another's step
+        took = {name: paths[name](batch) for name in order}
+        print(f"round {i}{' (warm-up)' if i < args.warmup else ''}: "
+              + ", ".join(f"{name} {took[name]:.2f} s" for name in order), flush=True)
+        if i >= args.warmup:
+            for name, t in took.items():
+                times[name].append(t)
     ratio = statistics.median(t / s for t, s in zip(times["transformers"], times["streamforge"]))
     ratio_full = statistics.median(t / s for t, s in zip(times["transformers"], times["full_logits"]))
     scored = statistics.median(f / s for f, s in zip(times["full_logits"], times["streamforge"]))
