@@ -25,12 +25,12 @@ not reached; ``best_reward`` says how far each got. The reward curves of all thr
 Rounds: ``--seeds`` (default ``0,1,2``) runs every system once per seed (``run.seed`` for streamforge,
 ``GRPOConfig.seed`` for TRL: the prompts' order and the sampling), the order of the systems alternating round by
 round. One run is not a reading: streamforge's steps to the target vary by about three either way with the order in
-which groups complete (sync 12-16, async 14-18 on seeds 0-2), so one pair's ``speedup_vs_sync`` read anywhere from
-0.95 to 1.46. Each ``*_s`` key is the median over the seeds of that system's time, and each ``speedup_*`` the median
-over the seeds of that seed's ratio (a system that missed the target counts as infinitely slow); ``per_seed`` has
-every reading. Each seed's runs go to ``OUT/seed-N/``; ``OUT/realmodel.png`` has one panel per seed. A run's files
-over 32 MB (weights, checkpoints, broker segments: 5-7 GB a seed) are removed once it is read, unless
-``--keep-runs``.
+which groups complete (over eight pairs of seeds 0-4, sync 12-15 steps, async 13-18), so one pair's
+``speedup_vs_sync`` read anywhere from 0.86 to 1.56. Each ``*_s`` key is the median over the seeds of that
+system's time, and each ``speedup_*`` the median over the seeds of that seed's ratio (a system that missed the
+target counts as infinitely slow); ``per_seed`` has every reading. Each seed's runs go to ``OUT/seed-N/``;
+``OUT/realmodel.png`` has one panel per seed. A run's files over 32 MB (weights, checkpoints, broker segments:
+5-7 GB a seed) are removed once it is read, unless ``--keep-runs``.
 Last line: ``{"bench": "realmodel", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
 "speedup_vs_sync": B/C, "trl_wall_s": ..., "async_wall_s": ..., "speedup_vs_trl_wall": ..., "trl_config": ...,
 "seeds": [...], "per_seed": {...}}``.
