@@ -356,8 +356,8 @@ def _prefix_logprobs(model: nn.Module, input_ids: torch.Tensor, position_ids: to
     return out, ent
 
 
-# elements of one chunk of the entropy metric: on CPU a few MB that stay in cache (the whole [N, V] product, 200 MB
-# at 1,024 positions of a 49k vocabulary, is written to fresh pages: 0.4-0.7 s of a 8 s step); elsewhere 1 GB
+# elements of one chunk of the entropy metric: on CPU 2 MB that stay in cache (the whole [N, V] product, 200 MB at
+# 1,024 positions of a 49k vocabulary, took 114-124 ms against 24-32 ms in chunks; bench/RESULTS.md); elsewhere 1 GB
 ENTROPY_CHUNK_ELEMENTS = {"cpu": 1 << 19}
 ENTROPY_CHUNK_DEFAULT = 1 << 28
 
