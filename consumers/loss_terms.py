@@ -22,6 +22,7 @@ class BatchTotals:
     tokens: float  # the sum of the batch's loss mask
     width: int  # T, the batch's token columns (``const`` aggregation without max_completion_length)
 
+
 def masked_mean(x: Tensor, mask: Tensor, totals: BatchTotals | None = None) -> Tensor:
     """``sum(x m) / max(1, sum m)``; with ``totals`` the denominator is the whole batch's token count (a share)."""
     tokens = mask.sum().clamp(min=1.0) if totals is None else max(1.0, totals.tokens)

@@ -260,6 +260,8 @@ class PolicyLoss:
         if behaviour_correction is not None and (objective != "clip" or behaviour_correction not in BEHAVIOUR_MODES):
             raise ConfigError("trainer.loss_args.behaviour_correction",
                               f"one of {BEHAVIOUR_MODES}, for a clip-objective loss (got {behaviour_correction!r})")
+        if (behaviour_correction or "").endswith("truncate") and behaviour_clip_min is None and behaviour_clip_max is None:
+            raise ConfigError("trainer.loss_args.behaviour_clip_max", f"{behaviour_correction} needs a bound")
         self.objective, self.aggregation, self.level = objective, aggregation, level
         self.epsilon_low = epsilon
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high

@@ -338,3 +338,13 @@ def test_behaviour_correction_anchors_the_clip_on_the_proximal_policy() -> None:
         name = "grpo" if "epsilon" not in bad else "cispo"
         with pytest.raises(ConfigError, match="behaviour_correction"):
             make_loss(name, **bad)
+
+
+def test_behaviour_truncation_without_bounds_is_refused_at_start() -> None:
+    """``*_truncate`` with both bounds open would fail in the first step (``torch.clamp`` needs one); it is refused
+    when the loss is built, naming the key. ``*_mask`` with open bounds masks nothing and is allowed."""
+    from consumers.losses import wants_proximal
+
+    with pytest.raises(ConfigError, match="behaviour_clip_max"):
+        make_loss("grpo", behaviour_correction="sequence_truncate", behaviour_clip_max=None)
+    assert wants_proximal(make_loss("grpo", behaviour_correction="token_mask", behaviour_clip_max=None))
