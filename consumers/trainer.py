@@ -70,6 +70,7 @@ class TrainerRole(Service):
     """The trainer process (one per rank under torchrun); see the module docstring."""
 
     name = "trainer"
+    keep_freed_memory = True  # each publication's snapshot reuses the last one's pages (runtime/malloc.py)
 
     def __init__(self, cfg: TrainerConfig, ctx: RoleContext, *, weightsync: WeightSyncConfig | None = None,
                  temperature: float = 1.0, max_completion_length: int | None = None,

@@ -48,6 +48,7 @@ class Service:
 
     name: str = "service"
     drain_timeout_s: float = 20.0
+    keep_freed_memory: bool = False  # run_service: glibc keeps freed memory for reuse (runtime/malloc.py)
 
     def __init__(self) -> None:
         self._started = False
@@ -160,9 +161,14 @@ def run_on_uvloop(coro: Any) -> Any:
 
 
 def run_service(service: Service, *, use_uvloop: bool = True) -> int:
-    """Run a service as this process's main job; returns the process exit code."""
+    """Run a service as this process's main job; returns the process exit code. A service that sets
+    ``keep_freed_memory`` gets glibc's main arena told to keep freed memory first (``runtime/malloc.py``)."""
     if use_uvloop:
         install_uvloop()
+    if service.keep_freed_memory:
+        from runtime.malloc import keep_freed_memory
+
+        keep_freed_memory()
 
     async def main() -> int:
         loop = asyncio.get_running_loop()
