@@ -146,7 +146,11 @@ def up(ctx: click.Context, config_path: str | None, run_dir: Path | None) -> Non
     extra = [f"--run.run_dir={run_dir}"] if run_dir else []
     config = _load(config_path, tuple(ctx.args), extra)
     setup_logging(config.telemetry.log_level)
-    sys.exit(run_up(config, config_path=config_path, overrides=list(ctx.args) + extra))
+    try:
+        code = run_up(config, config_path=config_path, overrides=list(ctx.args) + extra)
+    except ConfigError as exc:  # found at start-up (up.allocator), before anything started
+        raise click.ClickException(str(exc)) from None
+    sys.exit(code)
 
 
 @main.command("config", context_settings=OVERRIDES)

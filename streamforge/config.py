@@ -72,6 +72,8 @@ class UpConfig:
     rewards: int = 1  # replicas of `reward.name` (`reward.impl`) started before the generators; none without impl
     service_wait_s: float = 120.0  # how long up waits for the replicas it started to register
     evaluators: int = 0  # 1: start the evaluator (`streamforge run evaluator`, the `eval` section) with the run
+    # the roles' malloc: jemalloc keeping freed memory (LD_PRELOAD) where found / required, or glibc (runtime/malloc.py)
+    allocator: Literal["auto", "jemalloc", "glibc"] = "auto"
 
     def __post_init__(self) -> None:
         check_choices(self, "up")

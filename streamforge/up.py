@@ -209,9 +209,11 @@ class ProgressView:
 
 
 async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int:
+    from runtime.malloc import allocator_env
     from streamforge.brokers import EmbeddedBrokers
     from topics.admin import ensure_topics
 
+    alloc_env = allocator_env(config.up.allocator)  # up.allocator: a ConfigError before anything starts
     run_dir = config.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
@@ -320,6 +322,8 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
             if bind is not None:
                 evaluator.env["VLLM_CPU_OMP_THREADS_BIND"] = bind
             children.append(evaluator)
+        for c in children:
+            c.env.update(alloc_env)
         for c in children:
             if c.role != "generator":  # generators start once the service replicas are registered
                 c.start()
