@@ -12,7 +12,9 @@ samples per prompt, max new tokens, learning rate, KL coefficient, loss and seed
   (``AsyncGRPOTrainer``, TRL >= 1.18) is tried first when the installed TRL has it. Which of TRL's two is faster
   depends on the CPU (``default_trl_configs``): on one with AMX (``amx_bf16``) ``bf16=True`` took 16.6 s a step
   against 24.6 s in fp32, on an AMD EPYC without it 32-35 s against 21 s (bench/RESULTS.md), so the default lists
-  ``transformers-bf16`` before ``transformers`` only where the CPU has AMX.
+  ``transformers-bf16`` before ``transformers`` only where the CPU has AMX. Where the host has jemalloc (which
+  ``up.allocator: auto`` gives streamforge's roles) the first local configuration is tried under it first
+  (``NAME+jemalloc``: the worker process under ``runtime.malloc.allocator_env``), so both systems get the allocator.
 * streamforge sync: ``streamforge up`` with ``staleness.max_versions: 0`` and ``trainer.publish_busy: wait``
   (generators wait for each version; at most one batch ahead).
 * streamforge async: ``streamforge up`` on the config as it is (``--async-staleness S`` sets its
@@ -56,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.reading import median, ratio  # how several seeds are read, shared with bench/e2e.py
+from runtime.malloc import find_jemalloc
+
+JEMALLOC = "+jemalloc"  # a TRL configuration's suffix: its worker runs under jemalloc (runtime/malloc.py)
 
 
 def time_to_target(rows: list[tuple[float, float]], target: float, window: int, t_start: float
@@ -98,11 +103,15 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def default_trl_configs(flags: set[str]) -> str:
+def default_trl_configs(flags: set[str], *, jemalloc: bool = False) -> str:
     """TRL's configurations in the order to try them, the fastest that runs here first: mixed precision before
-    fp32 only on a CPU whose bf16 matmuls run on AMX (elsewhere bf16=True was the slower of the two)."""
-    local = "transformers-bf16,transformers" if "amx_bf16" in flags else "transformers"
-    return f"async,vllm-colocate,{local}"
+    fp32 only on a CPU whose bf16 matmuls run on AMX (elsewhere bf16=True was the slower of the two); with
+    ``jemalloc`` (the host has the library ``up.allocator: auto`` gives streamforge's roles) the fastest local one
+    first under it too (``NAME+jemalloc``: TRL's bf16 step 10.8 s against 20.4 s under glibc, bench/RESULTS.md)."""
+    local = ["transformers-bf16", "transformers"] if "amx_bf16" in flags else ["transformers"]
+    if jemalloc:
+        local.insert(0, f"{local[0]}{JEMALLOC}")
+    return ",".join(["async", "vllm-colocate", *local])
 
 
 def trl_worker(args: argparse.Namespace) -> None:
@@ -196,15 +205,19 @@ def trl_worker(args: argparse.Namespace) -> None:
 def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """Each TRL configuration in a fresh worker process, in order, until one trains: a failed one can leave a
     process group or vLLM's environment behind that the next one must not inherit."""
+    from runtime.malloc import allocator_env
+
     tried: list[str] = []
     logs = []
     for name in args.trl_configs.split(","):
         (out / "trl.jsonl").unlink(missing_ok=True)
+        base = name.removesuffix(JEMALLOC)  # NAME+jemalloc: the worker under the allocator streamforge's roles get
+        env = {**os.environ, **allocator_env("jemalloc")} if name != base else None
         t0 = time.time()
         proc = subprocess.run([sys.executable, __file__, "--worker", "trl", "--out", str(out), "--config",
                                args.config, "--budget-s", str(args.budget_s), "--target", str(args.target),
-                               "--window", str(args.window), "--trl-configs", name, "--seed", str(args.seed)],
-                              cwd=ROOT, capture_output=True, text=True, check=False)
+                               "--window", str(args.window), "--trl-configs", base, "--seed", str(args.seed)],
+                              cwd=ROOT, capture_output=True, text=True, check=False, env=env)
         logs.append(f"== TRL configuration {name} (exit {proc.returncode})\n{proc.stdout}{proc.stderr}")
         info: dict[str, Any] = {"trl_config": None, "tried": []}
         for line in proc.stdout.splitlines():
@@ -212,7 +225,7 @@ def run_trl(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                 info = orjson.loads(line)
         path = out / "trl.jsonl"
         rows = [orjson.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
-        if info["trl_config"] == name and rows:
+        if info["trl_config"] == base and rows:
             (out / "trl.log").write_text("\n".join(logs))
             return {"rows": [(r["time"], float(r["reward"])) for r in rows], "t_start": t0,
                     "exit_code": proc.returncode, "trl_config": name, "tried": tried + info["tried"]}
@@ -316,7 +329,7 @@ def main() -> None:
     p.add_argument("--systems", default="trl,sync,async")
     p.add_argument("--seeds", default="0,1,2",
                    help="run.seed of each round (every system once per seed); the JSON line holds medians")
-    p.add_argument("--trl-configs", default=default_trl_configs(cpu_flags()),
+    p.add_argument("--trl-configs", default=default_trl_configs(cpu_flags(), jemalloc=find_jemalloc() is not None),
                    help="TRL configurations to try in order; the first that trains is used")
     p.add_argument("--async-staleness", type=int, default=-1,
                    help="staleness.max_versions of the async mode (-1 = the config's)")

@@ -56,4 +56,9 @@ def test_trl_mixed_precision_is_tried_first_only_on_a_cpu_with_amx() -> None:
         "async", "vllm-colocate", "transformers-bf16", "transformers"]
     # avx512_bf16 alone (the AMD EPYC): TRL's bf16=True was slower than its fp32 there
     assert rm.default_trl_configs({"avx512f", "avx512_bf16"}).split(",") == ["async", "vllm-colocate", "transformers"]
+    # a host with jemalloc (streamforge's roles run under it there): TRL's fastest local configuration under it first
+    assert rm.default_trl_configs({"amx_bf16"}, jemalloc=True).split(",") == [
+        "async", "vllm-colocate", "transformers-bf16+jemalloc", "transformers-bf16", "transformers"]
+    assert rm.default_trl_configs(set(), jemalloc=True).split(",") == [
+        "async", "vllm-colocate", "transformers+jemalloc", "transformers"]
     assert isinstance(rm.cpu_flags(), set)
