@@ -5,8 +5,9 @@ serves every thread but the main one from arenas of 64 MB heaps that map any lar
 a process that allocates the same large blocks again and again faults every page of them in each time. Measured
 with SmolLM2-135M on a 2-core host (bench/RESULTS.md, 2026-12-05 afternoon): the trainer's step (in a worker
 thread) made 160-400k page faults a step, 1.0-1.5 s of kernel time in a 2.3-3.5 s step, and each publication's
-651 MB weight snapshot 170k (0.5-1.3 s). Under jemalloc with its decay off every process reuses its pages; the
-same seed's time between steps went from 6.9 to 5.9 s (sync) and 4.8 to 3.8 s (async).
+651 MB weight snapshot 170k (0.5-1.3 s). Under jemalloc with its decay off every process reuses its pages: the
+median time between steps went from 6.8 to 6.3 s (sync) and 5.0 to 3.4 s (async), and over three seeds both modes
+reached the reward target a quarter sooner.
 
 * ``allocator_env(choice)``: the environment ``streamforge up`` gives its role processes (``up.allocator``):
   ``auto`` = jemalloc where its library is found (``find_jemalloc``: Debian's ``libjemalloc2``), else nothing;
