@@ -50,7 +50,8 @@ class GeneratorConfig:
     # "1" and loop_cpus "0-1" on two cores (runtime/cpus.py); the engine's processes keep `cpus`
     loop_cpus: str = ""
     gpu_memory_utilization: float = 0.5  # vLLM on GPU
-    enforce_eager: bool = True  # vLLM: no CUDA graphs / compilation
+    # vLLM: no CUDA graphs / compilation; its torch.compile'd helpers run eagerly too (producers/engine.py)
+    enforce_eager: bool = True
     seed: int = 0  # vLLM sampling seed
     # how long vLLM's engine core and worker poll their shared-memory queues after a read before they sleep (vLLM's
     # own is 1 s, which keeps a core busy between bursts of generation; producers/vllm_poll.py); -1 = vLLM's own
@@ -60,6 +61,9 @@ class GeneratorConfig:
     # "uni" runs it in the engine core's process (no handoff: faster for an async generator pinned to one core,
     # but 2-5x slower in sync mode there, bench/RESULTS.md); "auto" = vLLM's own choice (on CPU "mp")
     vllm_executor: Literal["auto", "mp", "uni"] = "auto"
+    # how vLLM starts its engine-core and worker processes: "auto" forks them on a CPU host where that is safe (they
+    # then skip re-importing vLLM and torch, 7-8 s of CPU each, producers/vllm_fork.py), "spawn" = vLLM's way there
+    vllm_start_method: Literal["auto", "fork", "spawn"] = "auto"
     # vLLM: processed_logprobs (after temperature etc.) | raw_logprobs
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
     # >0: this generator's share of the groups the trainer trains per step (its quota, producers/flow.py); derived

@@ -34,6 +34,7 @@ they equal the model's raw log-softmax; a trainer using another temperature divi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -43,7 +44,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from producers import vllm_poll, vllm_swap
+from producers import vllm_fork, vllm_poll, vllm_swap
 
 log = logging.getLogger("streamforge.engine")
 
@@ -81,7 +82,8 @@ class Engine:
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  logprobs_mode: str = "processed_logprobs", dtype: str = "float32", max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, poll_s: float | None = vllm_poll.DEFAULT_POLL_S,
-                 executor: str | None = None, extra_args: dict[str, Any] | None = None) -> None:
+                 executor: str | None = None, start_method: str = "auto",
+                 extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
         self._version = version
         self._version_listeners: list[Callable[[int], None]] = []
@@ -96,6 +98,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.poll_s = poll_s
         self.executor = executor
+        self.start_method = start_method
         self.extra_args = dict(extra_args or {})
         self.llm: Any = None
         self._swap_lock = asyncio.Lock()
@@ -134,7 +137,7 @@ class Engine:
         t0 = time.monotonic()
         # unset batch limits take vLLM's offline (``LLM`` class) defaults for the platform, not the smaller
         # server ones: a generator is a throughput client (on CPU 256 sequences, not 128, and 4096 tokens a step)
-        self.llm = _async_llm(args, UsageContext.LLM_CLASS)
+        self.llm = _async_llm(args, UsageContext.LLM_CLASS, self.start_method)
         await self.llm.update_weight_version(str(self.version))
         log.info("vLLM engine for %s ready in %.1f s (executor %s)", self.model_path, time.monotonic() - t0,
                  self.llm.vllm_config.parallel_config.distributed_executor_backend)
@@ -334,19 +337,22 @@ def _sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
     return [float(pos[tok].logprob) for pos, tok in zip(logprobs, token_ids)]
 
 
-def _async_llm(args: Any, usage_context: Any) -> Any:
-    """``AsyncLLM.from_engine_args``, except that an ``"uni"`` executor stays one: vLLM's CPU platform replaces it
-    with its multiprocess executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the config is built, and that
-    variable must not be 0 when ``AsyncLLM`` starts its engine-core process. With ``"uni"`` the engine core runs
-    the model itself: no worker process and no shared-memory queues between the two to poll."""
+def _async_llm(args: Any, usage_context: Any, start_method: str = "auto") -> Any:
+    """``AsyncLLM.from_engine_args``, except that its processes are forked where ``start_method`` says so
+    (``producers/vllm_fork.py``) and that an ``"uni"`` executor stays one: vLLM's CPU platform replaces it with its
+    multiprocess executor unless ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while the config is built, and that variable
+    must not be 0 when ``AsyncLLM`` starts its engine-core process. With ``"uni"`` the engine core runs the model
+    itself: no worker process and no shared-memory queues between the two to poll."""
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.executor import Executor
 
-    if args.distributed_executor_backend != "uni":
-        return AsyncLLM.from_engine_args(args, usage_context=usage_context)
+    fork = vllm_fork.wants_fork(start_method, args.distributed_executor_backend)
+    if fork:
+        vllm_fork.prepare()
     key = "VLLM_ENABLE_V1_MULTIPROCESSING"
     before = os.environ.get(key)
-    os.environ[key] = "0"
+    if args.distributed_executor_backend == "uni":
+        os.environ[key] = "0"
     try:
         vllm_config = args.create_engine_config(usage_context)
     finally:
@@ -354,6 +360,35 @@ def _async_llm(args: Any, usage_context: Any) -> Any:
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
-    return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
-                    log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
-                    usage_context=usage_context)
+    with vllm_fork.forking() if fork else contextlib.nullcontext(), _no_compile(args.enforce_eager):
+        return AsyncLLM(vllm_config=vllm_config, executor_class=Executor.get_class(vllm_config),
+                        log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                        usage_context=usage_context)
+
+
+@contextlib.contextmanager
+def _no_compile(eager: bool) -> Any:
+    """With ``enforce_eager``, the engine's processes started meanwhile run vLLM's ``torch.compile``'d helpers
+    (the sampled tokens' ranks over the vocabulary, on CPU) eagerly too: compiling them took 3-4 s of every CPU
+    generator's start and first generation (bench/RESULTS.md, 2026-12-05 evening), for an elementwise pass over
+    the logits. Spawned processes read the environment when torch loads; forked ones inherit the flag dynamo reads
+    at each call."""
+    if not eager:
+        yield
+        return
+    import torch._dynamo
+
+    saved = {k: os.environ.get(k) for k in ("TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE")}
+    disabled = torch._dynamo.config.disable
+    os.environ.update(dict.fromkeys(saved, "1"))
+    torch._dynamo.config.disable = True
+    try:
+        yield
+    finally:
+        torch._dynamo.config.disable = disabled
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+

@@ -45,6 +45,7 @@ from typing import Any
 from envs.config import EnvConfig
 from envs.routing import ServiceEnvRouter
 from models.tiny_model import ensure_model
+from producers import vllm_fork
 from producers.config import FeederConfig, GeneratorConfig
 from producers.engine import Engine, Sampling
 from producers.flow import Backpressure, OffsetTracker, quota_phase
@@ -125,6 +126,10 @@ class GeneratorRole(Service):
         return self.intake.first_taken_at if self.intake is not None else None
 
     # -- lifecycle ------------------------------------------------------------------------------
+    def own_process(self) -> None:
+        """This process is the generator's: its engine's processes may be forked (``producers/vllm_fork.py``)."""
+        vllm_fork.own_process()
+
     async def _start(self) -> None:
         try:
             await self._open()
@@ -149,6 +154,7 @@ class GeneratorRole(Service):
                 logprobs_mode=cfg.logprobs_mode, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 poll_s=None if cfg.vllm_poll_s == -1 else cfg.vllm_poll_s, executor=cfg.engine_executor(),
+                start_method=cfg.vllm_start_method,
                 extra_args=_weightsync_args(self.weightsync),
             )
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU

@@ -56,6 +56,10 @@ class Service:
         self._stopping = asyncio.Event()
 
     # -- overridables -------------------------------------------------------------------------
+    def own_process(self) -> None:
+        """Process-wide settings a service may make only when the process is its own (``run_service`` calls this
+        before the event loop starts; a service run inside another process never gets it)."""
+
     async def _start(self) -> None:
         """Connect clients, create resources."""
 
@@ -162,9 +166,11 @@ def run_on_uvloop(coro: Any) -> Any:
 
 def run_service(service: Service, *, use_uvloop: bool = True) -> int:
     """Run a service as this process's main job; returns the process exit code. A service that sets
-    ``keep_freed_memory`` gets glibc's main arena told to keep freed memory first (``runtime/malloc.py``)."""
+    ``keep_freed_memory`` gets glibc's main arena told to keep freed memory first (``runtime/malloc.py``); then its
+    ``own_process()`` runs."""
     if use_uvloop:
         install_uvloop()
+    service.own_process()
     if service.keep_freed_memory:
         from runtime.malloc import keep_freed_memory
 
