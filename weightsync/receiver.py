@@ -47,7 +47,7 @@ from topics.nats import PolicyStore, publish_msg, request_msg
 from topics.schemas import Membership, PolicyVersion, VersionAck
 from topics.tracing import context_of_version, link_to
 from weightsync.config import COLLECTIVE_TRANSPORTS, NCCL_TRANSPORTS, WeightSyncConfig
-from weightsync.members import FENCED_KEY, parse_fenced
+from weightsync.members import FENCED_KEY, Registry, parse_fenced
 
 log = logging.getLogger("streamforge.weightsync.receiver")
 _tracer = trace.get_tracer("streamforge.weightsync")
@@ -130,30 +130,64 @@ class WeightReceiver:
 
     async def _join(self, pv: PolicyVersion) -> int:
         """Join the trainer's rendezvous at ``pv.address``; returns the version the trainer pushes now (-1: none)."""
-        msg = self._membership("join")
         try:
-            reply = await request_msg(self.nc, self.names.membership_subject, msg, timeout=self.cfg.join_timeout_s,
-                                      expect=PolicyVersion)
+            msg, reply = await self._request_join()
         except (TimeoutExpired, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
             self.counters["join_timeouts"] += 1
             raise LoadFailed(f"no trainer answered the join for version {pv.version}: {exc}") from exc
-        address = reply.address or pv.address
+        await self._open_pair(msg, reply, pv)
+        return reply.version
+
+    async def _request_join(self) -> tuple[Membership, PolicyVersion]:
+        """The join request and the trainer's answer (it answers after starting its side of a new pair group)."""
+        msg = self._membership("join")
+        return msg, await request_msg(self.nc, self.names.membership_subject, msg, timeout=self.cfg.join_timeout_s,
+                                      expect=PolicyVersion)
+
+    async def _open_pair(self, msg: Membership, reply: PolicyVersion, pv: PolicyVersion | None = None) -> None:
+        """Start this engine's side of the pair group of the join ``msg``, at the address the trainer's ``reply``
+        names (``init_weight_transfer_engine`` returns at once: the rendezvous, and the staging copy's build, run on
+        the worker's transport thread)."""
+        address = reply.address or (pv.address if pv is not None else "")
+        transport = reply.transport or (pv.transport if pv is not None else "")
+        backend = transport if transport in NCCL_TRANSPORTS else "gloo"
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        transport = reply.transport or pv.transport
-        backend = transport if transport in NCCL_TRANSPORTS else "gloo"
-        info = {"address": address, "session": f"{msg.generator_id}/{msg.pid}/{msg.created_at:.6f}",
+        info = {"address": address, "session": Registry.session_of(msg),
                 "timeout_s": self.cfg.timeout_s, "host": self.cfg.generator_host,
                 "staged": self.cfg.staged_load, "backend": backend}
         await self._rpc(self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                         "init_weight_transfer_engine")
         self._address = address
+        self.counters["joins"] += 1
         log.info("joined the trainer at %s (push of version %d)", address, reply.version)
-        return reply.version
+
+    async def _warm_join(self) -> None:
+        """Join a trainer that is already up before it publishes anything, so that its first push finds the pair
+        group formed and the worker's staging copy built (both were part of the first swap, with the generator
+        idle behind it). No trainer answering (none started yet) leaves the join to the first version, as does a
+        trainer whose transport has no pair group; a trainer that has published pushes its version at once."""
+        try:
+            msg, reply = await self._request_join()
+        except (TimeoutExpired, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            log.info("no trainer to join yet (%s): joining at its first version", type(exc).__name__)
+            return
+        if reply.transport not in COLLECTIVE_TRANSPORTS or not reply.address:
+            return
+        try:
+            await self._open_pair(msg, reply)
+        except Exception as exc:  # noqa: BLE001 - the first version joins again
+            log.warning("early join failed (%s: %s): joining at the first version", type(exc).__name__, exc)
+            self._address = ""
+            return
+        if reply.version > self.engine.version:  # this trainer has published: its push of that version is coming
+            await self.sync(reply)
 
     # -- following the store ------------------------------------------------------------------
     async def _follow(self) -> None:
-        """Consumes the store's watch; waits on it between versions; each version is loaded (or fails) and acked."""
+        """Joins a trainer already up (``_warm_join``), then consumes the store's watch; waits on it between
+        versions; each version is loaded (or fails) and acked."""
+        await self._warm_join()
         async for pv in self.store.watch():
             self.latest_seen = max(self.latest_seen, pv.version)
             if pv.version <= self.engine.version:
@@ -229,6 +263,9 @@ class WeightReceiver:
             await self.engine.relabel(int(stats["version"]))
             raise LoadFailed(f"expected version {version}, the trainer pushed {int(stats['version'])}")
         self.pauses_ms.append(pause)
+        log.info("version %d: %.0f MB received in %.2f s (%d buffers reused), staged in %.2f s, paused %.1f ms",
+                 version, float(stats.get("bytes", 0)) / 1e6, float(stats.get("receive_s", 0.0)),
+                 int(stats.get("reused_buffers", 0)), float(stats.get("stage_s", 0.0)), pause)
         await self._ack(version, pause_ms=pause, transfer_ms=(time.perf_counter() - t0) * 1000)
 
     async def _wait_staged(self, llm: Any) -> None:

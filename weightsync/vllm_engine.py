@@ -110,6 +110,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._pg = self._io.submit(generator_pair, init_info.address, init_info.session,
                                    timeout_s=init_info.timeout_s, host=init_info.host, backend=init_info.backend,
                                    device=self._buffer_device())
+        if init_info.staged and self._shadow is None:  # built now, not inside the first push's receive
+            self._io.submit(self._build_shadow)
+
+    def _build_shadow(self) -> None:
+        """The staging copy of the model (on the io thread; a failure leaves it to the first staged push)."""
+        if self._shadow is not None:
+            return
+        try:
+            self._shadow = ShadowModel(self.model, self.model_config)
+        except Exception as exc:  # noqa: BLE001 - staging is an optimisation; retried at the first push
+            log.warning("shadow model not built (%s: %s)", type(exc).__name__, exc)
+            return
+        log.info("shadow model for staged loads ready in %.1f ms", self._shadow.last_copy_s * 1000)
 
     def _group(self):
         if self._pg is None or self._info is None:
@@ -135,8 +148,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             if snap.buffers and snap.buffers[0].is_cuda:  # staging reads the buckets on this thread's stream
                 torch.cuda.current_stream(snap.buffers[0].device).synchronize()
             if self._shadow is None:
-                self._shadow = ShadowModel(self.model, self.model_config)
-                log.info("shadow model for staged loads ready in %.1f ms", self._shadow.last_copy_s * 1000)
+                self._build_shadow()
+            if self._shadow is None:
+                return snap, False
             self._shadow.stage(snap.tensors())
             if snap.buffers and snap.buffers[0].is_cuda:  # "ready" means the shadow is written
                 torch.cuda.current_stream(snap.buffers[0].device).synchronize()
@@ -247,7 +261,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         return {"version": self.last_version, "bytes": self.last_bytes, "receive_s": self.last_receive_s,
                 "load_s": self.last_load_s, "init_s": self.last_init_s,
                 "finalize_s": self.last_finalize_s, "stage_s": self.last_stage_s, "commit_s": self.last_commit_s,
-                "reused_buffers": float(self.last_reused), "connected": float(self.connected())}
+                "reused_buffers": float(self.last_reused), "connected": float(self.connected()),
+                "shadow": float(self._shadow is not None)}
 
     def shutdown_pair(self) -> None:
         """Forget the pair group (the trainer side is dropped with it); a later init re-joins."""
