@@ -56,6 +56,11 @@ class TrainerConfig:
     # the cores the trainer runs on, a CPU list such as "1" or "2-7" ("" = any); its torch threads default to their
     # number. On a CPU host this keeps the trainer off the generator's engine cores (runtime/cpus.py)
     cpus: str = ""
+    # how long the trainer's OpenMP threads busy-wait at a barrier before they sleep (GOMP_SPINCOUNT, set by
+    # `streamforge run trainer` before torch loads; a value already in the environment wins; -1 = OpenMP's default,
+    # 300,000). Where an engine shares the trainer's cores, a thread whose partner lost its core to the engine spins
+    # at every barrier on a core the engine needs: both the step and the generation beside it slow (runtime/cpus.py)
+    omp_spincount: int = 10_000
     # the samples of a group share their prompt: run it through the model once per group, not once per sample
     # (consumers/prefix.py; padded batches, mode rl). Each row holds a group's prompt and its samples' responses,
     # at most shared_prefix_tokens tokens (the dense attention mask grows with its square)
@@ -99,6 +104,8 @@ class TrainerConfig:
             raise ConfigError("trainer.tp", f"must be at least 1 and divide trainer.world_size {self.world_size}")
         if self.threads < 0:
             raise ConfigError("trainer.threads", "must be >= 0 (0 = torch's default)")
+        if self.omp_spincount < -1:
+            raise ConfigError("trainer.omp_spincount", "must be >= 0, or -1 for OpenMP's default")
         if self.autocast and self.dtype != "float32":
             raise ConfigError("trainer.autocast", "keeps float32 master weights: it needs trainer.dtype float32")
         if self.shared_prefix_tokens < 2:

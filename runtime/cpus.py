@@ -7,6 +7,8 @@ it starts afterwards, such as vLLM's engine core and worker) to those cores; vLL
 threads itself, from ``VLLM_CPU_OMP_THREADS_BIND``, which the generator sets from the same list. Once its engine
 has started, the generator can move its own process elsewhere (``generator.loop_cpus``: ``pin`` again, checked
 against the cores it could use before the first ``pin``), leaving the engine's processes where they are.
+Where the cores stay shared, ``omp_spin`` keeps a waiting OpenMP thread from spinning long on a core the other
+process could use.
 """
 
 from __future__ import annotations
@@ -68,3 +70,17 @@ def _threads() -> list[int]:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # no procfs: the calling thread only
         return []
+
+
+def omp_spin(count: int, *, environ: dict[str, str] | None = None) -> str | None:
+    """Bound how long this process's OpenMP threads busy-wait (``GOMP_SPINCOUNT``: libgomp, which torch's CPU
+    wheels, MKL's GNU threading layer and oneDNN run on) before they sleep; returns the value in effect.
+
+    Set before OpenMP loads (it reads the variable once: call this before importing torch). ``count`` -1 leaves the
+    runtime's default (300,000 spins); a value already in the environment wins over ``count``. Why: a thread of a
+    team waits at each barrier for its partners; when another process's engine holds a partner's core, the waiting
+    thread spins on a core the engine could use (bench/RESULTS.md, 2026-12-05 night)."""
+    env = os.environ if environ is None else environ
+    if count >= 0 and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = str(count)
+    return env.get("GOMP_SPINCOUNT")

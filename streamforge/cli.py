@@ -114,11 +114,12 @@ def run(ctx: click.Context, role: str, config_path: str | None) -> None:
     from runtime.lifecycle import run_service
     from runtime.metrics import close_metrics, configure_metrics
     from runtime.telemetry import setup_tracing, shutdown_tracing
-    from streamforge.roles import RoleNotAvailable, build_role
+    from streamforge.roles import RoleNotAvailable, build_role, prepare_process
 
     config = _load(config_path, tuple(ctx.args))
     setup_logging(config.telemetry.log_level)
     try:
+        prepare_process(role, config)  # before the role's module imports torch
         service = build_role(role, config)
     except (RoleNotAvailable, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None

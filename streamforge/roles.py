@@ -43,6 +43,15 @@ def role_class(role: str) -> Any:
         raise RoleNotAvailable(f"role {role!r} is not built yet ({ROLES[role]} does not exist)") from exc
 
 
+def prepare_process(role: str, config: Any) -> None:
+    """Process-wide settings that a role's libraries read once, when they load: made by ``streamforge run`` before
+    ``build_role`` imports the role. The trainer's OpenMP spin (``trainer.omp_spincount``, runtime/cpus.py)."""
+    if role == "trainer":
+        from runtime.cpus import omp_spin
+
+        omp_spin(config.trainer.omp_spincount)
+
+
 def build_role(role: str, config: Any, **kwargs: Any) -> Any:
     """The ``role`` service for the run config ``config`` (``kwargs``: test hooks such as an injected engine)."""
     cls = role_class(role)

@@ -77,3 +77,28 @@ def test_available_checks_cores_against_the_set_given() -> None:
     assert available("", allowed=set()) == []
     with pytest.raises(ConfigError, match="generator.loop_cpus.*cores \\[3\\]"):
         available("1-3", key="generator.loop_cpus", allowed={0, 1, 2})
+
+
+def test_omp_spin_sets_the_variable_unless_the_environment_has_one() -> None:
+    from runtime.cpus import omp_spin
+
+    env: dict[str, str] = {}
+    assert omp_spin(10_000, environ=env) == "10000" and env == {"GOMP_SPINCOUNT": "10000"}
+    env = {"GOMP_SPINCOUNT": "0"}
+    assert omp_spin(10_000, environ=env) == "0"  # the operator's own setting wins
+    env = {}
+    assert omp_spin(-1, environ=env) is None and env == {}  # OpenMP's default
+
+
+def test_run_trainer_sets_the_spin_before_torch_loads(monkeypatch) -> None:
+    """``streamforge run trainer`` applies ``trainer.omp_spincount`` before the role's import; other roles leave it."""
+    from streamforge.roles import prepare_process
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    config = load_config(None, ["--trainer.omp_spincount=2500"])
+    prepare_process("generator", config)
+    assert "GOMP_SPINCOUNT" not in os.environ
+    prepare_process("trainer", config)
+    assert os.environ["GOMP_SPINCOUNT"] == "2500"
+    with pytest.raises(ConfigError, match="trainer.omp_spincount"):
+        load_config(None, ["--trainer.omp_spincount=-2"])
