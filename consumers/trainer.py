@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -50,6 +52,7 @@ from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample, TrainerProgress
 from weightsync.config import WeightSyncConfig
 
+_T = TypeVar("_T")
 log = logging.getLogger("streamforge.trainer")
 DONE_FILE = "trainer/done.json"  # written when the run finished by itself (see _write_done)
 _tracer = trace.get_tracer("streamforge.trainer")
@@ -91,6 +94,10 @@ class TrainerRole(Service):
         self.drain_timeout_s = self.weightsync.ack_deadline_s + 60.0
         self.d: Dist = Dist()
         self.engine: TrainEngine | None = None
+        # every call into the engine runs on this one thread: OpenMP keeps one thread team per calling thread and
+        # jemalloc an arena per thread, so steps spread over asyncio's default pool each warmed their own (a step
+        # on a thread new to it faulted its memory in again and started another team)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-engine")
         self.cmd: Commander | None = None
         self.step = 0
         self.version = 0
@@ -143,11 +150,11 @@ class TrainerRole(Service):
         m = self.ctx.model
         model_dir = await asyncio.to_thread(ensure_model, m.path, self.run_dir, seed=self.ctx.run.seed,
                                             source=m.source, cache_dir=m.cache_dir)
-        self.engine = await asyncio.to_thread(
+        self.engine = await self._on_engine(
             TrainEngine, self.cfg, model_dir=model_dir, run_dir=self.run_dir, d=self.d,
             max_seq_len=m.max_seq_len, temperature=self.temperature,
             max_completion_length=self.max_completion_length)
-        meta = await asyncio.to_thread(self.engine.restore)
+        meta = await self._on_engine(self.engine.restore)
         offsets: dict[str, int] = {}
         if meta is not None:
             self.step, self.version, offsets = meta.step, meta.policy_version, dict(meta.offsets)
@@ -195,12 +202,17 @@ class TrainerRole(Service):
         else:
             log.warning("nats.url is empty: the trainer publishes no policy versions")
 
+    async def _on_engine(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` on the engine's thread (see ``_compute``), awaited."""
+        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args, **kwargs))
+
     async def _stop(self) -> None:
         for closer in (self._close_round, self._close_clients):
             try:
                 await closer()
             except Exception as exc:  # noqa: BLE001 - stopping must not hide the original failure
                 log.warning("trainer stop: %s", exc)
+        self._compute.shutdown(wait=False)
         if self.d.enabled:
             if self._quit_sent:  # a clean end on every rank: barrier, then leave together
                 close_distributed(self.d)
@@ -241,7 +253,7 @@ class TrainerRole(Service):
             await self._checkpoint()
         if self.step > 0 and self.cfg.export_hf:
             self.cmd.send(EXPORT)
-            await asyncio.to_thread(self.engine.export)
+            await self._on_engine(self.engine.export)
         await self._close_round()
         if self._round is not None and self._round.done() and not self._round.cancelled() and self._round.exception():
             log.error("last publication round failed: %s", self._round.exception())
@@ -266,7 +278,7 @@ class TrainerRole(Service):
     async def _follow_loop(self) -> None:
         """Follower ranks: replay rank 0's collective calls (blocking broadcasts, in a thread) until QUIT; then
         stop the role. Unblocked only by rank 0."""
-        await asyncio.to_thread(follow, self.engine)
+        await self._on_engine(follow, self.engine)
         self._quit_sent = True
         self._finish("rank 0 quit")
         await asyncio.Event().wait()
@@ -373,7 +385,7 @@ class TrainerRole(Service):
     async def _train_one(self, batch: Batch, records: list[Received]) -> None:
         t0 = time.perf_counter()
         self.cmd.step(batch)
-        metrics = await asyncio.to_thread(self.engine.step, batch)
+        metrics = await self._on_engine(self.engine.step, batch)
         self.step += 1
         if self.groups >= 0:
             self.groups += len(set(batch.group_ids))
@@ -482,7 +494,7 @@ class TrainerRole(Service):
                               recent_batch_ids=list(self.recent), world_size=self.d.world_size, groups=self.groups)
         self.cmd.checkpoint(meta)
         with _tracer.start_as_current_span("trainer.checkpoint", attributes={"step": self.step}):
-            path = await asyncio.to_thread(self.engine.save, meta)
+            path = await self._on_engine(self.engine.save, meta)
         self._checkpointed_step = self.step
         await self.source.commit()
         log.info("checkpoint %s", path)
