@@ -73,7 +73,6 @@ class TrainerRole(Service):
     """The trainer process (one per rank under torchrun); see the module docstring."""
 
     name = "trainer"
-    keep_freed_memory = True  # each publication's snapshot reuses the last one's pages (runtime/malloc.py)
 
     def __init__(self, cfg: TrainerConfig, ctx: RoleContext, *, weightsync: WeightSyncConfig | None = None,
                  temperature: float = 1.0, max_completion_length: int | None = None,
@@ -131,6 +130,13 @@ class TrainerRole(Service):
         self.finished_reason = ""
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
+    def own_process(self) -> None:
+        """This process is the trainer's: glibc keeps freed memory, so each publication's snapshot reuses the last
+        one's pages (``runtime/malloc.py``; nothing to do under jemalloc)."""
+        from runtime.malloc import keep_freed_memory
+
+        keep_freed_memory()
+
     async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False,
                     on_crash: Callable[[RoleCrashed], None] | None = None) -> None:
         self._stop_event = stop or asyncio.Event()

@@ -391,4 +391,3 @@ def _no_compile(eager: bool) -> Any:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-

@@ -48,7 +48,6 @@ class Service:
 
     name: str = "service"
     drain_timeout_s: float = 20.0
-    keep_freed_memory: bool = False  # run_service: glibc keeps freed memory for reuse (runtime/malloc.py)
 
     def __init__(self) -> None:
         self._started = False
@@ -165,16 +164,11 @@ def run_on_uvloop(coro: Any) -> Any:
 
 
 def run_service(service: Service, *, use_uvloop: bool = True) -> int:
-    """Run a service as this process's main job; returns the process exit code. A service that sets
-    ``keep_freed_memory`` gets glibc's main arena told to keep freed memory first (``runtime/malloc.py``); then its
-    ``own_process()`` runs."""
+    """Run a service as this process's main job; returns the process exit code. The service's ``own_process()``
+    runs first (process-wide settings such as the trainer's allocator, the generator's torch threads)."""
     if use_uvloop:
         install_uvloop()
     service.own_process()
-    if service.keep_freed_memory:
-        from runtime.malloc import keep_freed_memory
-
-        keep_freed_memory()
 
     async def main() -> int:
         loop = asyncio.get_running_loop()

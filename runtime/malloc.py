@@ -15,8 +15,9 @@ reached the reward target a quarter sooner.
   ``LD_PRELOAD`` (before any already there) with ``MALLOC_CONF`` ``dirty_decay_ms:-1,muzzy_decay_ms:-1``: freed
   pages are never handed back, so a process's footprint stays at its peak.
 * ``keep_freed_memory()``: under glibc, ``mallopt`` so the main arena maps no block and trims nothing; the trainer
-  calls it (``run_service``), which saves the snapshots' faults (taken on the event loop's thread, the main one);
-  a no-op under jemalloc, which has no ``mallopt`` of its own and keeps freed memory anyway.
+  calls it (its ``own_process()``, from ``run_service``), which saves the snapshots' faults (taken on the event
+  loop's thread, the main one); a no-op under jemalloc, which has no ``mallopt`` of its own and keeps freed memory
+  anyway.
 """
 
 from __future__ import annotations
