@@ -47,6 +47,7 @@ from typing import Any
 import orjson
 
 from models.tiny_model import ensure_model
+from producers import vllm_fork
 from producers.config import GeneratorConfig
 from producers.engine import Engine, Sampling
 from producers.evaluation import (
@@ -87,6 +88,10 @@ class EvaluatorRole(Service):
     ``engine`` may be injected (tests)."""
 
     name = "evaluator"
+
+    def own_process(self) -> None:
+        """This process is the evaluator's: its engine's processes may be forked (``producers/vllm_fork.py``)."""
+        vllm_fork.own_process()
 
     def __init__(self, cfg: EvalConfig, ctx: RoleContext, *, generator: GeneratorConfig, feeder_source: str,
                  engine: Engine | None = None) -> None:
@@ -145,7 +150,8 @@ class EvaluatorRole(Service):
             self.engine = Engine(str(model), max_model_len=ctx.model.max_seq_len, seed=cfg.seed,
                                  kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                  enforce_eager=gen.enforce_eager, max_num_seqs=gen.max_num_seqs,
-                                 max_num_batched_tokens=gen.max_num_batched_tokens)
+                                 max_num_batched_tokens=gen.max_num_batched_tokens,
+                                 start_method=gen.vllm_start_method)
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU
         engine = self.engine
         checker = PromptChecker(engine.tokenizer, max_model_len=getattr(engine, "max_model_len", ctx.model.max_seq_len),
