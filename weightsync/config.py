@@ -46,6 +46,9 @@ class WeightSyncConfig:
     pause_mode: Literal["keep", "wait"] = "keep"  # vLLM pause_generation mode around a swap
     staged_load: bool = True  # collective transports: stage each push in a shadow model before pausing (one more
     # copy of the weights in the generator; see weightsync/staging.py); False = reload inside the pause
+    # staged loads: once the staging copy is built (at the join), stage the model's own checkpoint into it this many
+    # times, so the first versions stage into warm memory (weightsync/staging.py, ShadowModel.rehearse); 0 = none
+    staged_rehearsals: int = 3
 
     def __post_init__(self) -> None:
         check_choices(self, "weightsync")
@@ -55,6 +58,8 @@ class WeightSyncConfig:
                 raise ConfigError(f"weightsync.{key}", "must be positive")
         if self.member_timeout_s <= self.heartbeat_s:
             raise ConfigError("weightsync.member_timeout_s", "must be longer than weightsync.heartbeat_s")
+        if self.staged_rehearsals < 0:
+            raise ConfigError("weightsync.staged_rehearsals", "must be >= 0")
         if self.max_members < 1:
             raise ConfigError("weightsync.max_members", "must be at least 1")
         if self.bucket_mb < 1:

@@ -155,7 +155,7 @@ class WeightReceiver:
 
         info = {"address": address, "session": Registry.session_of(msg),
                 "timeout_s": self.cfg.timeout_s, "host": self.cfg.generator_host,
-                "staged": self.cfg.staged_load, "backend": backend}
+                "staged": self.cfg.staged_load, "rehearsals": self.cfg.staged_rehearsals, "backend": backend}
         await self._rpc(self.engine.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info)),
                         "init_weight_transfer_engine")
         self._address = address

@@ -8,10 +8,11 @@ receives into host buffers, ``nccl`` straight into buffers on the worker's GPU, 
 
 Protocol, driven by the generator's ``WeightReceiver`` through ``AsyncLLM``:
 
-* ``init_weight_transfer_engine({"address", "session", "timeout_s", "host", "backend", "staged"})``: starts
-  joining the pair group
-  ``session`` at the trainer's store ``address`` on the engine's transport thread and returns at once, so the
-  engine keeps generating while the rendezvous happens.
+* ``init_weight_transfer_engine({"address", "session", "timeout_s", "host", "backend", "staged", "rehearsals"})``:
+  starts joining the pair group ``session`` at the trainer's store ``address`` on the engine's transport thread and
+  returns at once, so the engine keeps generating while the rendezvous happens; with ``staged``, the same thread
+  then builds the staging copy and rehearses ``rehearsals`` stages of the model's own checkpoint into it
+  (``weightsync/staging.py``).
 * ``weightsync_prefetch(version)`` (worker extension, via ``collective_rpc``): starts receiving the next push
   (header, then buckets) on the transport thread and then *stages* it (``weightsync/staging.py``: vLLM's layerwise
   reload into a private shadow copy of the model, which builds the kernel format, e.g. CPU prepacked GEMMs).
@@ -66,6 +67,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     host: str = ""  # local address for gloo's sockets ("" = derived from the store address)
     staged: bool = True  # stage each push in a shadow model before the pause (see weightsync/staging.py)
     backend: str = "gloo"  # the pair group's backend: "gloo" (host buffers), "nccl" or "torch-nccl" (this worker's GPU)
+    rehearsals: int = 0  # times the staging copy stages the model's own checkpoint once built (staging.rehearse)
 
 
 @dataclass
@@ -96,6 +98,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.last_stage_s = 0.0
         self.last_commit_s = 0.0
         self._shadow: ShadowModel | None = None
+        self.rehearsed = 0  # stages of the model's own checkpoint rehearsed into the staging copy
         self._raw_buffers: list[torch.Tensor] = []  # raw_prefetch's (benchmark)
         self._spare: list[torch.Tensor] = []  # the last push's host buffers, unreferenced: the next one lands there
 
@@ -111,10 +114,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                    timeout_s=init_info.timeout_s, host=init_info.host, backend=init_info.backend,
                                    device=self._buffer_device())
         if init_info.staged and self._shadow is None:  # built now, not inside the first push's receive
-            self._io.submit(self._build_shadow)
+            self._io.submit(self._build_shadow, init_info.rehearsals)
 
-    def _build_shadow(self) -> None:
-        """The staging copy of the model (on the io thread; a failure leaves it to the first staged push)."""
+    def _build_shadow(self, rehearsals: int = 0) -> None:
+        """The staging copy of the model (on the io thread; a failure leaves it to the first staged push), then
+        ``rehearsals`` stages of the model's own checkpoint into it (``ShadowModel.rehearse``)."""
         if self._shadow is not None:
             return
         try:
@@ -123,6 +127,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             log.warning("shadow model not built (%s: %s)", type(exc).__name__, exc)
             return
         log.info("shadow model for staged loads ready in %.1f ms", self._shadow.last_copy_s * 1000)
+        if rehearsals > 0:
+            try:
+                times = self._shadow.rehearse(str(self.model_config.model), rehearsals)
+            except Exception as exc:  # noqa: BLE001 - a rehearsal only warms: the pushes stage as before
+                log.warning("staging rehearsal failed (%s: %s)", type(exc).__name__, exc)
+                self._shadow.staged = False
+                return
+            self.rehearsed = len(times)
+            log.info("staging rehearsed from the model's checkpoint: %s s", [round(t, 2) for t in times])
 
     def _group(self):
         if self._pg is None or self._info is None:
@@ -262,7 +275,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                 "load_s": self.last_load_s, "init_s": self.last_init_s,
                 "finalize_s": self.last_finalize_s, "stage_s": self.last_stage_s, "commit_s": self.last_commit_s,
                 "reused_buffers": float(self.last_reused), "connected": float(self.connected()),
-                "shadow": float(self._shadow is not None)}
+                "shadow": float(self._shadow is not None), "rehearsed": float(self.rehearsed)}
 
     def shutdown_pair(self) -> None:
         """Forget the pair group (the trainer side is dropped with it); a later init re-joins."""

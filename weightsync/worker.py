@@ -10,7 +10,7 @@ from the generator through ``AsyncLLM.collective_rpc(name, ...)``:
   this worker in one call (one round trip inside the generator's pause instead of three around it), returning
   ``weightsync_stats()``;
 * ``weightsync_stats()``: the last loaded version, its size, receive and load times, whether the pair group is
-  up (``connected``) and the staging copy built (``shadow``);
+  up (``connected``), the staging copy built (``shadow``) and how many rehearsals it staged (``rehearsed``);
 * ``weightsync_raw_prefetch(sizes)`` / ``weightsync_raw_wait()``: receive plain buffers of the given sizes over
   the same pair group on the same thread as a push, loading nothing (the benchmark's raw-broadcast baseline).
 """
@@ -54,7 +54,8 @@ class WeightSyncWorkerExtension:
         engine = getattr(self, "weight_transfer_engine", None)
         if isinstance(engine, vllm_engine.GlooWeightTransferEngine):
             return engine.stats()
-        return {"version": -1, "bytes": 0, "receive_s": 0.0, "load_s": 0.0, "connected": 0.0, "shadow": 0.0}
+        return {"version": -1, "bytes": 0, "receive_s": 0.0, "load_s": 0.0, "connected": 0.0, "shadow": 0.0,
+                "rehearsed": 0.0}
 
     def weightsync_raw_prefetch(self, sizes: list[int]) -> None:
         """Start receiving plain buffers of ``sizes`` bytes on the transport thread (returns at once)."""

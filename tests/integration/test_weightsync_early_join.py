@@ -3,8 +3,9 @@
 Real vLLM engine, real NATS, real gloo pair. The publisher is up first and has published nothing; the receiver's
 loop joins it at once (``WeightReceiver._warm_join``): the pair group comes up and the worker builds its staging
 copy while nothing is pushed. The first version then goes down the pair that is already there (no second join), is
-staged and committed, and the engine scores like the trainer's model. A trainer that has already published answers
-a later joiner with its version, which that joiner loads at once.
+staged and committed, and the engine scores like the trainer's model. Before it, the staging copy rehearsed two
+stages of the model's own checkpoint (``weightsync.staged_rehearsals``) without touching the live model. A trainer
+that has already published answers a later joiner with its version, which that joiner loads at once.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ async def test_the_pair_and_the_staging_copy_are_ready_before_the_first_version(
     from consumers.model import hf_named_tensors, load_policy
     from producers.engine import Engine
 
-    gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30)
-    policy = load_policy(tiny_dir)
+    gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30, staged_rehearsals=2)
+    policy, v0 = load_policy(tiny_dir), load_policy(tiny_dir)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in policy.model.parameters():
@@ -82,11 +83,16 @@ async def test_the_pair_and_the_staging_copy_are_ready_before_the_first_version(
         await receiver.start()
         follow = asyncio.create_task(receiver.loop())
 
+        before = await _prompt_logprobs(engine, "v0")
+        assert (before - _trainer_logprobs(v0.model)).abs().max().item() < 1e-4
+
         async def ready() -> bool:
             stats = (await engine.llm.collective_rpc("weightsync_stats"))[0]
-            return stats["connected"] == 1.0 and stats["shadow"] == 1.0
+            return stats["connected"] == 1.0 and stats["shadow"] == 1.0 and stats["rehearsed"] == 2.0
 
-        await _until(ready, 30, "the pair group up and the staging copy built")
+        await _until(ready, 30, "the pair group up, the staging copy built, two stages rehearsed")
+        # the rehearsals staged the checkpoint into the copy only: the live model is untouched
+        assert torch.equal(await _prompt_logprobs(engine, "rehearsed"), before)
         assert pub.members()["g0"]["confirmed"]  # the trainer's side of the pair is up too
         assert receiver.counters["joins"] == 1 and engine.version == 0
 
