@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import os
 import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import orjson
@@ -47,12 +46,12 @@ from models.tiny_model import ensure_model
 from runtime.context import RoleContext
 from runtime.cpus import pin
 from runtime.lifecycle import Service
+from runtime.malloc import keep_freed_memory
 from topics.errors import ConfigError, RoleCrashed
 from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample, TrainerProgress
 from weightsync.config import WeightSyncConfig
 
-_T = TypeVar("_T")
 log = logging.getLogger("streamforge.trainer")
 DONE_FILE = "trainer/done.json"  # written when the run finished by itself (see _write_done)
 _tracer = trace.get_tracer("streamforge.trainer")
@@ -93,9 +92,8 @@ class TrainerRole(Service):
         self.drain_timeout_s = self.weightsync.ack_deadline_s + 60.0
         self.d: Dist = Dist()
         self.engine: TrainEngine | None = None
-        # every call into the engine runs on this one thread: OpenMP keeps one thread team per calling thread and
-        # jemalloc an arena per thread, so steps spread over asyncio's default pool each warmed their own (a step
-        # on a thread new to it faulted its memory in again and started another team)
+        # every engine call on this one thread: OpenMP keeps a team and jemalloc an arena per calling thread, and a
+        # step on a thread new to it (asyncio's default pool takes any idle one) warmed its own again
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="trainer-engine")
         self.cmd: Commander | None = None
         self.step = 0
@@ -131,10 +129,7 @@ class TrainerRole(Service):
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def own_process(self) -> None:
-        """This process is the trainer's: glibc keeps freed memory, so each publication's snapshot reuses the last
-        one's pages (``runtime/malloc.py``; nothing to do under jemalloc)."""
-        from runtime.malloc import keep_freed_memory
-
+        """Its own process: glibc keeps freed memory, so a snapshot reuses the last one's pages (runtime/malloc.py)."""
         keep_freed_memory()
 
     async def serve(self, stop: asyncio.Event | None = None, *, freeze_heap: bool = False,
@@ -157,9 +152,8 @@ class TrainerRole(Service):
         model_dir = await asyncio.to_thread(ensure_model, m.path, self.run_dir, seed=self.ctx.run.seed,
                                             source=m.source, cache_dir=m.cache_dir)
         self.engine = await self._on_engine(
-            TrainEngine, self.cfg, model_dir=model_dir, run_dir=self.run_dir, d=self.d,
-            max_seq_len=m.max_seq_len, temperature=self.temperature,
-            max_completion_length=self.max_completion_length)
+            TrainEngine, self.cfg, model_dir=model_dir, run_dir=self.run_dir, d=self.d, max_seq_len=m.max_seq_len,
+            temperature=self.temperature, max_completion_length=self.max_completion_length)
         meta = await self._on_engine(self.engine.restore)
         offsets: dict[str, int] = {}
         if meta is not None:
@@ -208,9 +202,9 @@ class TrainerRole(Service):
         else:
             log.warning("nats.url is empty: the trainer publishes no policy versions")
 
-    async def _on_engine(self, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    async def _on_engine(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` on the engine's thread (see ``_compute``), awaited."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self._compute, lambda: fn(*args, **kwargs))
 
     async def _stop(self) -> None:
         for closer in (self._close_round, self._close_clients):
