@@ -131,8 +131,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             try:
                 times = self._shadow.rehearse(str(self.model_config.model), rehearsals)
             except Exception as exc:  # noqa: BLE001 - a rehearsal only warms: the pushes stage as before
-                log.warning("staging rehearsal failed (%s: %s)", type(exc).__name__, exc)
-                self._shadow.staged = False
+                log.warning("staging rehearsal failed (%s: %s); the first push builds the copy again",
+                            type(exc).__name__, exc)
+                self._shadow = None  # a stage that failed half-way may leave it on meta tensors
                 return
             self.rehearsed = len(times)
             log.info("staging rehearsed from the model's checkpoint: %s s", [round(t, 2) for t in times])
