@@ -64,8 +64,8 @@ def wants_fork(start_method: str, executor: str | None) -> bool:
 
 
 def own_process() -> None:
-    """A generator's (or an evaluator's) role process, before anything runs in it: one torch thread (no OpenMP team can start, so
-    its engine's processes may be forked)."""
+    """A generator's (or an evaluator's) role process, before anything runs in it: one torch thread (no OpenMP team
+    can start, so its engine's processes may be forked)."""
     global _owned
     import torch
 
