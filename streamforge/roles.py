@@ -69,6 +69,6 @@ def build_role(role: str, config: Any, **kwargs: Any) -> Any:
         return cls(config.reward, ctx, **kwargs)
     if role == "evaluator":
         return cls(config.eval, ctx, generator=config.generator, feeder_source=config.feeder.source, **kwargs)
-    return cls(config.trainer, ctx, weightsync=config.weightsync,
+    return cls(config.trainer, ctx, weightsync=config.weightsync.for_engine(config.generator.dtype),
                temperature=config.generator.temperature, max_completion_length=config.generator.max_tokens,
                max_staleness=config.staleness.max_versions if config.staleness.bounded else None, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,12 @@ class WeightSyncConfig:
     # staged loads: once the staging copy is built (at the join), stage the model's own checkpoint into it this many
     # times, so the first versions stage into warm memory (weightsync/staging.py, ShadowModel.rehearse); 0 = none
     staged_rehearsals: int = 3
+    # the dtype of a push's floating-point tensors: "auto" = the generators' engine dtype (generator.dtype) over a
+    # collective transport (the receiving engine casts every tensor to it anyway: half the bytes over the wire and
+    # no cast on the generator when it is bfloat16), the trainer's own over the file transport (its version
+    # directories are read by the evaluator too); "keep" = the trainer's own; "float32"/"bfloat16" = that one.
+    # A publisher built outside a run config (streamforge/roles.py resolves "auto") keeps the trainer's own.
+    push_dtype: Literal["auto", "keep", "float32", "bfloat16"] = "auto"
 
     def __post_init__(self) -> None:
         check_choices(self, "weightsync")
@@ -72,6 +79,13 @@ class WeightSyncConfig:
     @property
     def bucket_bytes(self) -> int:
         return self.bucket_mb * 1024 * 1024
+
+    def for_engine(self, engine_dtype: str, *, cuda: bool | None = None) -> WeightSyncConfig:
+        """This config with ``push_dtype`` "auto" resolved for generators whose engine runs in ``engine_dtype``."""
+        if self.push_dtype != "auto":
+            return self
+        collective = self.resolved_transport(cuda=cuda) in COLLECTIVE_TRANSPORTS
+        return dataclasses.replace(self, push_dtype=engine_dtype if collective else "keep")
 
     def resolved_transport(self, *, cuda: bool | None = None) -> str:
         """The concrete transport: ``auto`` becomes ``nccl`` when CUDA is available, else ``gloo``."""

@@ -63,7 +63,7 @@ from weightsync.files import write_version
 from weightsync.members import FENCED_KEY, Member, Registry
 from weightsync.pairs import Pair, call_soon, queue_push
 from weightsync.policy_kv import PolicyKV
-from weightsync.wire import Snapshot, pack
+from weightsync.wire import Snapshot, dtype_of, pack
 
 log = logging.getLogger("streamforge.weightsync.publisher")
 
@@ -94,6 +94,8 @@ class WeightPublisher:
         self.trainer_id = trainer_id
         self.transport = cfg.resolved_transport()
         self.shared_dir = Path(cfg.shared_dir) if cfg.shared_dir else self.run_dir / "weights"
+        # floating-point tensors packed in the engines' dtype (push_dtype; "auto" unresolved by roles.py: "keep")
+        self._push_dtype = None if cfg.push_dtype in ("auto", "keep") else dtype_of(cfg.push_dtype)
         self.store = PolicyStore(nc, names)
         self.registry = Registry(member_timeout_s=cfg.member_timeout_s)
         self.counters: Counter[str] = Counter()
@@ -213,7 +215,7 @@ class WeightPublisher:
         t0 = time.perf_counter()
         device = self._pair_device() or "cpu"
         snapshot = pack(named_tensors(), version=version, step=step, bucket_bytes=self.cfg.bucket_bytes,
-                        device=device)
+                        device=device, dtype=self._push_dtype)
         snapshot_s = time.perf_counter() - t0
         previous = self._round
         self._round = asyncio.ensure_future(self._run_round(previous, snapshot, list(batch_ids), snapshot_s))

@@ -180,18 +180,19 @@ def view(buffer: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
 
 
 def pack(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, step: int,
-         bucket_bytes: int, device: torch.device | str = "cpu") -> Snapshot:
+         bucket_bytes: int, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> Snapshot:
     """Copy ``(hf_name, tensor)`` pairs into fresh buckets on ``device`` (CPU for gloo and file pushes, the
     trainer's GPU for nccl; full tensors: DTensors are gathered with ``full_tensor()``). The result is independent
     of the source tensors; on CUDA the copies are complete when this returns (the caller's stream is synchronised),
-    so a sender thread on another stream reads finished buckets."""
+    so a sender thread on another stream reads finished buckets. ``dtype``: floating-point tensors are cast to it
+    as they are copied (the receiving engine's dtype: ``weightsync.push_dtype``); None keeps each tensor's own."""
     pairs = []
     for name, t in named_tensors:
         full = getattr(t, "full_tensor", None)
         t = full() if callable(full) else t
         pairs.append((name, t.detach()))
-    layout = plan(((n, t.dtype, tuple(t.shape)) for n, t in pairs), version=version, step=step,
-                  bucket_bytes=bucket_bytes)
+    layout = plan(((n, dtype if dtype is not None and t.is_floating_point() else t.dtype, tuple(t.shape))
+                   for n, t in pairs), version=version, step=step, bucket_bytes=bucket_bytes)
     device = torch.device(device)
     buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.buckets]
     for (name, t), slot in zip(pairs, layout.params, strict=True):

@@ -209,7 +209,8 @@ async def test_gloo_swap_under_load_then_file_path(run_config, tiny_dir):
 
 async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
     """``generator.dtype: bfloat16``: the engine keeps bf16 weights and the trainer's fp32 push is cast into them;
-    afterwards its logprobs are the trainer's model's within bf16's precision, and far from the old weights'."""
+    afterwards its logprobs are the trainer's model's within bf16's precision, and far from the old weights'. The
+    same weights pushed in bf16 (``weightsync.push_dtype``) then leave its logprobs where they were."""
     from consumers.model import load_policy
     from producers.engine import Engine
 
@@ -234,6 +235,13 @@ async def test_a_bfloat16_engine_takes_float32_pushes(run_config, tiny_dir):
             new, old = _trainer_logprobs(policy.model, ids), _trainer_logprobs(v0.model, ids)
             assert (lp - new).abs().max().item() < 0.1
             assert (lp - new).abs().mean().item() < (lp - old).abs().mean().item() / 3  # it took the push
+        # the same weights pushed in bf16 (weightsync.push_dtype, "auto" for this engine): half the bytes, and the
+        # engine ends with the very weights its own cast of the float32 push made
+        cast = [await _engine_prompt_logprobs(engine, ids, f"c{j}") for j, ids in enumerate(PROMPTS)]
+        half = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30, push_dtype="bfloat16")
+        await _publish_to_g0(half, run_config, nc_t, engine, policy, 2)
+        for j, (lp, ids) in enumerate(zip(cast, PROMPTS)):
+            assert torch.allclose(await _engine_prompt_logprobs(engine, ids, f"h{j}"), lp, rtol=0, atol=1e-5)
         assert receiver.counters["load_failures"] == 0
         await receiver.stop()
     finally:

@@ -67,6 +67,13 @@ def test_config_validation_and_vllm_args():
     assert WeightSyncConfig().resolved_transport(cuda=False) == "gloo"
     assert WeightSyncConfig().resolved_transport(cuda=True) == "nccl"
     assert WeightSyncConfig(transport="file").resolved_transport(cuda=True) == "file"
+    with pytest.raises(ConfigError, match="weightsync.push_dtype"):
+        WeightSyncConfig(push_dtype="float8")
+    # push_dtype "auto": the engines' dtype over a pair group, the trainer's own over files (the evaluator reads them)
+    assert WeightSyncConfig().for_engine("bfloat16", cuda=False).push_dtype == "bfloat16"
+    assert WeightSyncConfig(transport="nccl").for_engine("float32").push_dtype == "float32"
+    assert WeightSyncConfig(transport="file").for_engine("bfloat16").push_dtype == "keep"
+    assert WeightSyncConfig(push_dtype="keep").for_engine("bfloat16", cuda=False).push_dtype == "keep"
     args = vllm_args(WeightSyncConfig(transport="gloo"))
     assert args["weight_transfer_config"] == {"backend": "gloo"}
     assert args["worker_extension_cls"] == "weightsync.worker.WeightSyncWorkerExtension"
@@ -123,3 +130,15 @@ def test_member_ids_are_bounded():
         from producers.config import GeneratorConfig
 
         GeneratorConfig(generator_id="x" * 200)
+
+
+def test_the_trainer_role_pushes_in_the_generators_dtype():
+    """``streamforge/roles.py`` resolves ``weightsync.push_dtype: auto`` with the run's ``generator.dtype``."""
+    from streamforge.config import load_config
+    from streamforge.roles import build_role
+
+    cfg = load_config(None, ["--generator.dtype=bfloat16", "--weightsync.transport=gloo"], environ={})
+    assert build_role("trainer", cfg).weightsync.push_dtype == "bfloat16"
+    cfg = load_config(None, ["--generator.dtype=bfloat16", "--weightsync.transport=file"], environ={})
+    assert build_role("trainer", cfg).weightsync.push_dtype == "keep"
+    assert cfg.weightsync.push_dtype == "auto"  # the run config itself is left as loaded

@@ -108,3 +108,18 @@ def test_unshared_buffers_are_those_no_view_holds():
 
 def _named_for_unshared() -> list[tuple[str, torch.Tensor]]:
     return [("a", torch.arange(300, dtype=torch.float32)), ("b", torch.ones(40, 3, dtype=torch.bfloat16))]
+
+
+def test_pack_casts_floating_tensors_to_the_push_dtype():
+    """``pack(dtype=bfloat16)``: each floating-point tensor arrives as ``t.to(bfloat16)`` would make it (round to
+    nearest even, as the engine's own cast of a float32 push), integer ones as they are, in half the bytes."""
+    named = _named([(64, 33), (7,), (5, 3)], [torch.float32, torch.int64, torch.float16])
+    full = pack(named, version=1, step=1, bucket_bytes=1 << 20)
+    half = pack(named, version=1, step=1, bucket_bytes=1 << 20, dtype=torch.bfloat16)
+    got = dict(half.tensors())
+    assert got["model.layers.0.w"].dtype == torch.bfloat16
+    assert torch.equal(got["model.layers.0.w"], named[0][1].to(torch.bfloat16))
+    assert torch.equal(got["model.layers.1.w"], named[1][1])  # int64 untouched
+    assert torch.equal(got["model.layers.2.w"], named[2][1].to(torch.bfloat16))
+    assert [p.dtype for p in Layout.from_header(half.layout.to_header()).params] == ["bfloat16", "int64", "bfloat16"]
+    assert half.nbytes < full.nbytes * 0.55
