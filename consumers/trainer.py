@@ -6,17 +6,16 @@ undecodable records), drop it if its ``batch_id`` was already trained (redeliver
 every ``publish_every`` steps hand the weights to the ``WeightPublisher`` (new ``PolicyVersion``; the round
 overlaps the next step, at most one round in flight: with ``publish_busy: skip`` a publication due while a round
 is in flight is put off until it ended, so the trainer never waits for generators' swaps) and every
-``checkpoint_every`` steps write a checkpoint (model, optimizer, step, version, offsets, recent batch ids, HF
-export).
+``checkpoint_every`` steps write a checkpoint (model, optimizer, step, version, offsets, recent batches, HF export).
 
 Restart: the newest checkpoint is loaded, the ledger and metrics lose their lines after its step, and reading
 resumes at its offsets: the batches trained after the checkpoint are trained again, exactly once in the ledger.
 The policy version continues from ``max(checkpoint version, latest version in the KV store)`` so versions never
 go backwards for the generators.
 
-Stops: ``trainer.max_steps`` steps or a running mean reward over ``reward_window`` batches reaching
-``trainer.reward_target`` finish the run (exit 0, and ``<run_dir>/trainer/done.json`` says why); SIGTERM drains. Either way the in-flight step completes, a
-final checkpoint and ``<run_dir>/hf`` are written and the last publication round is awaited.
+Stops: ``trainer.max_steps`` steps or a running mean reward over ``reward_window`` batches reaching ``reward_target``
+finish the run (exit 0; ``<run_dir>/trainer/done.json`` says why); SIGTERM drains. Either way the in-flight step
+completes, a final checkpoint and ``<run_dir>/hf`` are written and the last publication round is awaited.
 """
 
 from __future__ import annotations
@@ -343,8 +342,8 @@ class TrainerRole(Service):
 
         if not batch.episode_ids or not batch.loss_mask.any():
             return f"batch {batch.batch_id} has no response tokens"
-        if trim_width(batch) > self.ctx.model.max_seq_len:
-            return f"batch {batch.batch_id}: {trim_width(batch)} tokens > model.max_seq_len {self.ctx.model.max_seq_len}"
+        if (width := trim_width(batch)) > (cap := self.ctx.model.max_seq_len):
+            return f"batch {batch.batch_id}: {width} tokens > model.max_seq_len {cap}"
         if int(batch.input_ids.max()) >= self.engine.policy.vocab_size or int(batch.input_ids.min()) < 0:
             return f"batch {batch.batch_id} has token ids outside the vocabulary"
         return ""
@@ -422,9 +421,9 @@ class TrainerRole(Service):
             await self._checkpoint()
 
     def _report_progress(self) -> None:
-        """Write ``TrainerProgress`` (steps and groups trained, the version trained with) to the KV store, in the background:
-        buffers count the batches queued for the trainer from it, generators their quota. Writes coalesce (the
-        newest wins); a failed one is logged and the next step's replaces it."""
+        """Write ``TrainerProgress`` (steps and groups trained, the version trained with) to the KV store, in the
+        background: buffers count the batches queued for the trainer from it, generators their quota. Writes
+        coalesce (the newest wins); a failed one is logged and the next step's replaces it."""
         if self.publisher is None:
             return
         consumed = sum(self.source.offsets.values()) if self.source is not None else -1
@@ -444,7 +443,7 @@ class TrainerRole(Service):
                 log.warning("could not write the trainer's progress (step %d): %s", progress.step, exc)
 
     def _buffer_drops(self, batch: Batch) -> dict[str, float]:
-        """``buffer/dropped/<reason>``: the drop counters each buffer stamped on its latest batch, summed over buffers."""
+        """``buffer/dropped/<reason>``: each buffer's drop counters (on its latest batch), summed over buffers."""
         drops = {k.removeprefix("dropped/"): v for k, v in batch.stats.items() if k.startswith("dropped/")}
         if drops or batch.buffer_id in self._drops:
             self._drops[batch.buffer_id] = drops

@@ -50,6 +50,8 @@ from weightsync.config import COLLECTIVE_TRANSPORTS, NCCL_TRANSPORTS, WeightSync
 from weightsync.members import FENCED_KEY, Registry, parse_fenced
 
 log = logging.getLogger("streamforge.weightsync.receiver")
+# what a join request meets when no trainer answers it (none started yet, or it is busy past the timeout)
+NO_TRAINER = (TimeoutExpired, nats.errors.NoRespondersError, nats.errors.TimeoutError)
 _tracer = trace.get_tracer("streamforge.weightsync")
 
 
@@ -132,7 +134,7 @@ class WeightReceiver:
         """Join the trainer's rendezvous at ``pv.address``; returns the version the trainer pushes now (-1: none)."""
         try:
             msg, reply = await self._request_join()
-        except (TimeoutExpired, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        except NO_TRAINER as exc:
             self.counters["join_timeouts"] += 1
             raise LoadFailed(f"no trainer answered the join for version {pv.version}: {exc}") from exc
         await self._open_pair(msg, reply, pv)
@@ -169,7 +171,7 @@ class WeightReceiver:
         trainer whose transport has no pair group; a trainer that has published pushes its version at once."""
         try:
             msg, reply = await self._request_join()
-        except (TimeoutExpired, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+        except NO_TRAINER as exc:
             log.info("no trainer to join yet (%s): joining at its first version", type(exc).__name__)
             return
         if reply.transport not in COLLECTIVE_TRANSPORTS or not reply.address:
