@@ -99,10 +99,20 @@ def use_tp(d: Dist, tp: int) -> Dist:
     return d
 
 
-def close_distributed(d: Dist) -> None:
-    """Barrier then destroy (without the barrier a rank may abort while another still talks)."""
+def close_distributed(d: Dist, *, timeout_s: float = 120.0) -> None:
+    """Leave the job's process groups once every rank is done with them, then destroy them.
+
+    A gloo collective can return on one rank while that rank's last messages to another are still being written; a
+    rank that destroys its group then (closing its sockets) fails the other's receive inside a gloo thread, which
+    aborts that process ("terminate called without an active exception"; gloo issue #155, a barrier followed by
+    the context's destruction). So the ranks first meet at a gloo barrier, then each marks on the job's store that
+    its barrier returned (every message it waited for has arrived) and waits, up to ``timeout_s``, for every
+    rank's mark: no rank closes a socket another still reads from."""
     if d.enabled and dist.is_initialized():
         dist.barrier()
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"streamforge/closing/{d.rank}", b"1")
+        store.wait([f"streamforge/closing/{r}" for r in range(d.world_size)], timedelta(seconds=timeout_s))
         dist.destroy_process_group()
 
 

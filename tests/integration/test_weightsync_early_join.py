@@ -42,6 +42,17 @@ async def _until(pred, timeout: float, what: str) -> None:
         raise AssertionError(f"not within {timeout} s: {what}") from None
 
 
+def _dump_tasks() -> None:
+    """What every task of the loop waits on, and the loop's default executor (printed into the test's output)."""
+    loop = asyncio.get_running_loop()
+    for task in asyncio.all_tasks(loop):
+        print(f"--- task {task.get_name()}: {task.get_coro()}")
+        task.print_stack()
+    pool = getattr(loop, "_default_executor", None)
+    if pool is not None:
+        print(f"default executor: {len(pool._threads)} threads, {pool._work_queue.qsize()} queued")
+
+
 async def _prompt_logprobs(engine, tag: str) -> torch.Tensor:
     from vllm import SamplingParams
 
@@ -70,61 +81,69 @@ async def test_the_pair_and_the_staging_copy_are_ready_before_the_first_version(
     with torch.no_grad():
         for p in policy.model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    nc_t = await connect(run_config.nats, name="trainer")
-    nc_g = await connect(run_config.nats, name="generator")
     engine = Engine(str(tiny_dir), max_model_len=256, extra_args=vllm_args(gloo))
-    follow = None
-    pub = WeightPublisher(gloo, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir)
-    await pub.start()
+    follow = pub = nc_t = nc_g = None
     try:
-        assert pub.latest_version == -1  # nothing published: only a join can open the pair now
-        await engine.start()
-        receiver = WeightReceiver(gloo, engine=engine, nc=nc_g, names=run_config.names, generator_id="g0")
-        await receiver.start()
-        follow = asyncio.create_task(receiver.loop())
+        # a hang fails here, naming the line it waited on and what every task waited on, instead of running into
+        # pytest's timeout, which leaves the engine's processes behind for the next test
+        async with asyncio.timeout(200):
+            nc_t = await connect(run_config.nats, name="trainer")
+            nc_g = await connect(run_config.nats, name="generator")
+            pub = WeightPublisher(gloo, nc=nc_t, names=run_config.names, run_dir=run_config.run_dir)
+            await pub.start()
+            assert pub.latest_version == -1  # nothing published: only a join can open the pair now
+            await engine.start()
+            receiver = WeightReceiver(gloo, engine=engine, nc=nc_g, names=run_config.names, generator_id="g0")
+            await receiver.start()
+            follow = asyncio.create_task(receiver.loop())
 
-        before = await _prompt_logprobs(engine, "v0")
-        assert (before - _trainer_logprobs(v0.model)).abs().max().item() < 1e-4
+            before = await _prompt_logprobs(engine, "v0")
+            assert (before - _trainer_logprobs(v0.model)).abs().max().item() < 1e-4
 
-        async def ready() -> bool:
+            async def ready() -> bool:
+                stats = (await engine.llm.collective_rpc("weightsync_stats"))[0]
+                return stats["connected"] == 1.0 and stats["shadow"] == 1.0 and stats["rehearsed"] == 2.0
+
+            await _until(ready, 30, "the pair group up, the staging copy built, two stages rehearsed")
+            # the rehearsals staged the checkpoint into the copy only: the live model is untouched
+            assert torch.equal(await _prompt_logprobs(engine, "rehearsed"), before)
+            assert pub.members()["g0"]["confirmed"]  # the trainer's side of the pair is up too
+            assert receiver.counters["joins"] == 1 and engine.version == 0
+
+            await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
+
+            async def loaded() -> bool:
+                return engine.version == 1
+
+            await _until(loaded, 30, "version 1 loaded")
+            assert pub.members()["g0"]["acked_version"] == 1
+            assert receiver.counters["joins"] == 1  # the first push went down the pair opened before it
+            assert receiver.counters["load_failures"] == 0 and receiver.counters["join_timeouts"] == 0
             stats = (await engine.llm.collective_rpc("weightsync_stats"))[0]
-            return stats["connected"] == 1.0 and stats["shadow"] == 1.0 and stats["rehearsed"] == 2.0
+            assert stats["version"] == 1 and stats["stage_s"] > 0 and stats["load_s"] == 0  # staged, committed
+            assert (await _prompt_logprobs(engine, "v1") - _trainer_logprobs(policy.model)).abs().max().item() < 1e-4
 
-        await _until(ready, 30, "the pair group up, the staging copy built, two stages rehearsed")
-        # the rehearsals staged the checkpoint into the copy only: the live model is untouched
-        assert torch.equal(await _prompt_logprobs(engine, "rehearsed"), before)
-        assert pub.members()["g0"]["confirmed"]  # the trainer's side of the pair is up too
-        assert receiver.counters["joins"] == 1 and engine.version == 0
-
-        await pub.publish(version=1, step=1, named_tensors=lambda: hf_named_tensors(policy), batch_ids=["b1"])
-
-        async def loaded() -> bool:
-            return engine.version == 1
-
-        await _until(loaded, 30, "version 1 loaded")
-        assert pub.members()["g0"]["acked_version"] == 1
-        assert receiver.counters["joins"] == 1  # the first push went down the pair opened before it
-        assert receiver.counters["load_failures"] == 0 and receiver.counters["join_timeouts"] == 0
-        stats = (await engine.llm.collective_rpc("weightsync_stats"))[0]
-        assert stats["version"] == 1 and stats["stage_s"] > 0 and stats["load_s"] == 0  # staged, committed
-        assert (await _prompt_logprobs(engine, "v1") - _trainer_logprobs(policy.model)).abs().max().item() < 1e-4
-
-        # a generator that (re)starts beside a trainer that has published is answered with that version
-        await receiver.stop()
-        follow.cancel()
-        await asyncio.gather(follow, return_exceptions=True)
-        await engine.relabel(0)  # as a fresh engine would report itself
-        late = WeightReceiver(gloo, engine=engine, nc=nc_g, names=run_config.names, generator_id="g0")
-        await late.start()
-        follow = asyncio.create_task(late.loop())
-        await _until(loaded, 30, "version 1 loaded again after the join")
-        assert late.counters["joins"] == 1 and late.counters["load_failures"] == 0
-        await late.stop()
+            # a generator that (re)starts beside a trainer that has published is answered with that version
+            await receiver.stop()
+            follow.cancel()
+            await asyncio.gather(follow, return_exceptions=True)
+            await engine.relabel(0)  # as a fresh engine would report itself
+            late = WeightReceiver(gloo, engine=engine, nc=nc_g, names=run_config.names, generator_id="g0")
+            await late.start()
+            follow = asyncio.create_task(late.loop())
+            await _until(loaded, 30, "version 1 loaded again after the join")
+            assert late.counters["joins"] == 1 and late.counters["load_failures"] == 0
+            await late.stop()
+    except TimeoutError:
+        _dump_tasks()
+        raise
     finally:
         if follow is not None:
             follow.cancel()
             await asyncio.gather(follow, return_exceptions=True)
-        await pub.stop()
-        await nc_g.close()
-        await nc_t.close()
+        if pub is not None:
+            await pub.stop()
+        for nc in (nc_g, nc_t):
+            if nc is not None:
+                await nc.close()
         await engine.stop()

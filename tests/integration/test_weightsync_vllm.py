@@ -260,13 +260,14 @@ async def test_the_in_process_executor_generates_and_takes_pushes(run_config, ti
     gloo = WeightSyncConfig(transport="gloo", timeout_s=20, ack_deadline_s=30)
     policy = _perturbed(tiny_dir, 5)
     engine = Engine(str(tiny_dir), max_model_len=256, executor="uni", extra_args=vllm_args(gloo))
+    earlier = {p.pid for p in psutil.Process().children(recursive=True)}  # an earlier test's leftovers are not ours
     await engine.start()
     nc_t = await connect(run_config.nats, name="trainer")
     nc_g = await connect(run_config.nats, name="generator")
     follow = None
     try:
         assert engine.llm.vllm_config.parallel_config.distributed_executor_backend == "uni"
-        procs = psutil.Process().children(recursive=True)
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in earlier]
         names = [" ".join(p.cmdline()) + p.name() for p in procs if p.is_running()]
         assert any("EngineCore" in n for n in names), names  # the engine core is still its own process
         assert not any("Worker" in n for n in names), names  # but runs the model itself
