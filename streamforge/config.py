@@ -74,9 +74,16 @@ class UpConfig:
     evaluators: int = 0  # 1: start the evaluator (`streamforge run evaluator`, the `eval` section) with the run
     # the roles' malloc: jemalloc keeping freed memory (LD_PRELOAD) where found / required, or glibc (runtime/malloc.py)
     allocator: Literal["auto", "jemalloc", "glibc"] = "auto"
+    # on a CPU host of 4 cores or more, give the trainer and the generators' engines disjoint cores unless the
+    # trainer's or the generators' own `cpus` says where they go (streamforge/up.py, cpu_plan); false: vLLM's own
+    # placement
+    cpu_partition: bool = True
+    trainer_cpu_share: float = 0.5  # the trainer's share of the cores under cpu_partition (the rest: the engines)
 
     def __post_init__(self) -> None:
         check_choices(self, "up")
+        if not 0.0 < self.trainer_cpu_share < 1.0:
+            raise ConfigError("up.trainer_cpu_share", "must be between 0 and 1 (the engines get the other cores)")
         if self.generators < 0:
             raise ConfigError("up.generators", "must be >= 0")
         if self.buffers < 1:

@@ -137,6 +137,45 @@ def cpu_binds(generators: int, *, cpus: int | Sequence[int] | None = None,
     return [_id_list(ids[i * width:(i + 1) * width]) for i in range(generators)]
 
 
+# from this many cores up, `up` gives the trainer and the engines disjoint cores on a CPU host (``cpu_plan``): below
+# it vLLM's own placement stays (on 2 cores its worker on core 0, the trainer's two threads on both, measured the
+# fastest: the split trainer-on-one-core stepped no faster, bench/RESULTS.md 2026-12-05)
+PARTITION_MIN_CORES = 4
+
+
+def cpu_plan(config: Any, *, cpus: int | Sequence[int] | None = None, environ: Any = None,
+             cuda: bool | None = None) -> tuple[str | None, list[str | None]]:
+    """(``trainer.cpus`` for the trainer or None, ``VLLM_CPU_OMP_THREADS_BIND`` of each engine: the generators',
+    then the evaluator's). On a CPU host of at least ``PARTITION_MIN_CORES`` cores with ``up.cpu_partition`` (default true)
+    and none of ``trainer.cpus``, ``generator.cpus`` or ``VLLM_CPU_OMP_THREADS_BIND`` set, the trainer (one rank)
+    takes the last ``up.trainer_cpu_share`` of the cores and the engines split the first ones: vLLM's own choice
+    would put its OpenMP threads on every core but one, and the trainer's on every core, two thread pools that each
+    wait at their barriers for a thread the other pool holds off its core (on 2 cores, a step beside a two-thread
+    matmul loop took 7-19 s against 2.0 s alone: bench/RESULTS.md). Otherwise ``(None, cpu_binds(...))``."""
+    environ = os.environ if environ is None else environ
+    engines = config.up.generators + config.up.evaluators
+    ids = sorted(os.sched_getaffinity(0)) if cpus is None else list(range(cpus) if isinstance(cpus, int) else cpus)
+    cuda = cuda_host(environ) if cuda is None else cuda
+    if (not config.up.cpu_partition or cuda or engines < 1 or len(ids) < PARTITION_MIN_CORES
+            or config.trainer.cpus or config.generator.cpus or config.trainer.world_size > 1
+            or "VLLM_CPU_OMP_THREADS_BIND" in environ):
+        return None, cpu_binds(engines, cpus=ids, environ=environ)
+    n = min(max(1, round(len(ids) * config.up.trainer_cpu_share)), len(ids) - 1)
+    rest = ids[:len(ids) - n]
+    if engines == 1:
+        return _id_list(ids[-n:]), [_id_list(rest)]
+    return _id_list(ids[-n:]), cpu_binds(engines, cpus=rest, environ=environ)
+
+
+def cuda_host(environ: Any = None) -> bool:
+    """Whether this host has an NVIDIA GPU the roles may use (a device node, not hidden by ``CUDA_VISIBLE_DEVICES``),
+    read without importing torch."""
+    environ = os.environ if environ is None else environ
+    if environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
 def _id_list(ids: list[int]) -> str:
     """vLLM's CPU id list syntax: ``"4-7"`` for a contiguous run, else ``"1,3,5"``."""
     if ids == list(range(ids[0], ids[-1] + 1)):
@@ -311,7 +350,10 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                      for i in range(config.up.buffers)]
         replicas = replica_children(config, child)  # environment and reward replicas (streamforge/replicas.py)
         children += replicas
-        binds = cpu_binds(config.up.generators + config.up.evaluators)  # an evaluator's engine gets cores too
+        trainer_cpus, binds = cpu_plan(config)  # an evaluator's engine gets cores too
+        if trainer_cpus is not None:
+            trainer.argv.append(f"--trainer.cpus={trainer_cpus}")
+            log.info("cores: trainer %s, engines %s", trainer_cpus, ", ".join(b or "vLLM's choice" for b in binds))
         for i, bind in enumerate(binds[:config.up.generators]):
             gen = child(f"generator-{i}", "generator", [f"--generator.generator_id=generator-{i}"])
             if bind is not None:
