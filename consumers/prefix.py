@@ -84,7 +84,7 @@ def shared_prefix_layout(batch: Batch, width: int, row_tokens: int) -> PrefixRow
             used += n
         rows.append((p, row[0], row))
 
-    w = max(2, max(p + sum(int(lens[b]) - p for b in members) for p, _, members in rows))
+    w = max(2, max((p + sum(int(lens[b]) - p for b in members) for p, _, members in rows), default=0))
     r = len(rows)
     out_ids = np.zeros((r, w), np.int64)
     pos = np.zeros((r, w), np.int64)

@@ -104,3 +104,14 @@ def test_shared_prefix_config():
     assert TrainerConfig(shared_prefix=True).shared_prefix_tokens == 1024
     with pytest.raises(ConfigError, match="trainer.shared_prefix_tokens"):
         TrainerConfig(shared_prefix_tokens=1)
+
+
+def test_an_empty_batch_gives_no_rows():
+    """A rank's empty share of a batch lays out as zero rows, not an error."""
+    b = batch([([1, 2, 3], [[10, 11]])])
+    empty = Batch(batch_id="b", episode_ids=[], group_ids=[], input_ids=b.input_ids[:0], loss_mask=b.loss_mask[:0],
+                  old_logprobs=b.old_logprobs[:0], token_versions=b.token_versions[:0],
+                  advantages=b.advantages[:0], rewards=b.rewards[:0], prompt_lens=b.prompt_lens[:0],
+                  seq_lens=b.seq_lens[:0])
+    rows = shared_prefix_layout(empty, empty.input_ids.shape[1], row_tokens=64)
+    assert rows.input_ids.shape == (0, 2) and rows.unpack_index.shape == (0, 2) and not rows.scored.any()
