@@ -36,6 +36,10 @@ system's time, and each ``speedup_*`` the median over the seeds of that seed's r
 target counts as infinitely slow); ``per_seed`` has every reading. Each seed's runs go to ``OUT/seed-N/``;
 ``OUT/realmodel.png`` has one panel per seed. A run's files over 32 MB (weights, checkpoints, broker segments:
 5-7 GB a seed) are removed once it is read, unless ``--keep-runs``.
+Where the time goes: each streamforge run's ``steady`` line (and its ``per_seed`` entry) gives, from its third
+step on, the median step period, the CPU seconds per step of each role (``cpu.json``'s series: the trainer, the
+generator with its vLLM processes, the buffer, the feeder, the brokers, ``up``) and the share of the host's cores
+they kept busy (async near 1.0 on a 2-core host: its period is then the roles' CPU per step over the cores).
 Last line: ``{"bench": "realmodel", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
 "speedup_vs_sync": B/C, "trl_wall_s": ..., "async_wall_s": ..., "speedup_vs_trl_wall": ..., "trl_config": ...,
 "seeds": [...], "per_seed": {...}}``.
@@ -244,6 +248,31 @@ def drop_heavy_files(run_dir: Path, limit: int = 32 << 20) -> None:
             path.unlink()
 
 
+def steady_state(run_dir: Path, times: list[float], skip: int = 2) -> dict[str, Any]:
+    """Where a streamforge run's time went once it ran steadily, from step ``skip`` to its last: the median step
+    period, the CPU seconds per step of each role (``cpu.json``'s series: the role with its engine processes, the
+    brokers, ``up``) and the share of the host's cores they kept busy. Empty where the run has too few steps or no
+    series."""
+    try:
+        cpu = orjson.loads((run_dir / "cpu.json").read_bytes())
+    except (OSError, ValueError):
+        return {}
+    series = cpu.get("series") or []
+    if len(times) < skip + 3 or len(series) < 2:
+        return {}
+    t0, t1 = times[skip], times[-1]
+    a = min(series, key=lambda r: abs(r[0] - t0))
+    b = min(series, key=lambda r: abs(r[0] - t1))
+    if b[0] <= a[0]:
+        return {}
+    steps = (b[0] - a[0]) / ((t1 - t0) / (len(times) - 1 - skip))  # steps within the two readings
+    per_step = {k: round((v - a[1].get(k, 0.0)) / steps, 3) for k, v in b[1].items()}
+    per_step = {k: v for k, v in sorted(per_step.items(), key=lambda kv: -kv[1]) if v > 0}
+    return {"period_s": round(median([y - x for x, y in zip(times[skip:], times[skip + 1:])]), 3),
+            "cpu_per_step": per_step,
+            "cores_busy": round(sum(per_step.values()) * steps / ((b[0] - a[0]) * max(1, cpu.get("cores", 1))), 3)}
+
+
 def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str, Any]:
     from streamforge.plots import read_metrics
 
@@ -268,7 +297,8 @@ def run_streamforge(args: argparse.Namespace, out: Path, mode: str) -> dict[str,
     if not args.keep_runs:
         drop_heavy_files(run_dir)
     return {"rows": [(float(r["time"]), float(r["reward_mean"])) for r in rows], "t_start": t0,
-            "exit_code": proc.returncode, "run_dir": str(run_dir)}
+            "exit_code": proc.returncode, "run_dir": str(run_dir),
+            "steady": steady_state(run_dir, [float(r["time"]) for r in rows])}
 
 
 def plot(per_seed: dict[int, dict[str, dict[str, Any]]], path: Path, window: int, target: float) -> None:
@@ -317,6 +347,8 @@ def run_seed(args: argparse.Namespace, out: Path, seed: int, order: list[str]) -
         print(f"seed {seed} {name:6s} to {args.target}: {first} s from the first step, {wall} s from start; best "
               f"running reward {best:.3f} in {len(r['rows'])} steps; start-up {r['startup_s']} s; exit "
               f"{r['exit_code']}", flush=True)
+        if r.get("steady"):
+            print(f"seed {seed} {name:6s} steady: {orjson.dumps(r['steady']).decode()}", flush=True)
     return res
 
 
@@ -369,7 +401,8 @@ def main() -> None:
         "speedup_vs_trl_wall": median([ratio(x, y) for x, y in zip(aw, cw)]),
         "trl_config": trl_cfg, "trl_tried": tried, "seeds": seeds,
         "per_seed": {sd: {name: {"s": r["seconds"], "wall_s": r["wall_seconds"], "steps": r["steps"],
-                                 "best_reward": round(r["best_reward"], 3)} for name, r in res.items()}
+                                 "best_reward": round(r["best_reward"], 3), **r.get("steady", {})}
+                                for name, r in res.items()}
                      for sd, res in per_seed.items()},
         "target": args.target, "window": args.window,
     }, option=orjson.OPT_NON_STR_KEYS).decode())

@@ -228,6 +228,10 @@ class EmbeddedBrokers:
         self._procs[name] = proc
         return proc
 
+    def process_groups(self) -> dict[str, int]:
+        """Each running broker process's group id by name (each runs in a session of its own: its pid)."""
+        return {name: proc.pid for name, proc in self._procs.items() if proc.poll() is None}
+
     # -- SeaweedFS (durable mode) ---------------------------------------------------------------
     def _s3_env(self) -> dict[str, str]:
         return {

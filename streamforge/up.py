@@ -382,7 +382,10 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         print(f"started {', '.join(c.name for c in children)}; logs in {run_dir / 'logs'}", flush=True)
         view = ProgressView(config)
         view.start()
-        meter = CpuMeter()
+        meter = CpuMeter(own="up")
+        # the embedded brokers (each in a session of its own) count as roles too: on a CPU host they share its cores
+        broker_groups = {f"broker-{name}": pgid for name, pgid in
+                         (embedded.process_groups() if embedded is not None else {}).items()}
         waiter = asyncio.ensure_future(stop.wait())
         started = time.monotonic()
         while not stop.is_set():
@@ -393,7 +396,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
                 break
             await asyncio.wait([waiter], timeout=1.0)
             view.refresh()
-            meter.sample({c.name: c.proc.pid for c in children if c.proc is not None})
+            meter.sample({c.name: c.proc.pid for c in children if c.proc is not None} | broker_groups)
             if archiver is not None and archiver.task.done():  # the run's log is no longer kept: stop
                 print(f"the log archive stopped: {archiver.task.exception()!r}", file=sys.stderr, flush=True)
                 code = 1
@@ -425,7 +428,7 @@ async def _up(config: Any, config_path: str | None, overrides: list[str]) -> int
         if view is not None:
             await view.stop()
         if meter is not None:
-            meter.sample({c.name: c.proc.pid for c in children if c.proc is not None})
+            meter.sample({c.name: c.proc.pid for c in children if c.proc is not None} | broker_groups)
             meter.write(run_dir / "cpu.json")
         await _stop_children(children, config.up.drain_timeout_s)
         if archiver is not None:

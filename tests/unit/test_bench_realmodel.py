@@ -62,3 +62,20 @@ def test_trl_mixed_precision_is_tried_first_only_on_a_cpu_with_amx() -> None:
     assert rm.default_trl_configs(set(), jemalloc=True).split(",") == [
         "async", "vllm-colocate", "transformers+jemalloc", "transformers"]
     assert isinstance(rm.cpu_flags(), set)
+
+
+def test_steady_state_reads_cpu_per_step_from_the_runs_series(tmp_path: Path) -> None:
+    """From the third step on: the median period, each role's CPU seconds per step and the cores' busy share."""
+    import orjson
+
+    rm = load_realmodel()
+    series = [[100.0 + 2 * i, {"trainer": 3.0 * i, "generator-0": 2.0 * i, "feeder": 0.0}] for i in range(30)]
+    (tmp_path / "cpu.json").write_bytes(orjson.dumps({"cores": 2, "series": series}))
+    times = [100.0 + 5 * i for i in range(10)]
+    got = rm.steady_state(tmp_path, times)
+    assert got["period_s"] == 5.0
+    assert got["cpu_per_step"] == {"trainer": 7.5, "generator-0": 5.0}  # 1.5 and 1 cores over 5 s; idle roles left out
+    assert got["cores_busy"] == 1.25
+    assert rm.steady_state(tmp_path, times[:4]) == {}  # too few steps to read
+    (tmp_path / "cpu.json").write_bytes(orjson.dumps({"cores": 2, "roles": {}}))  # a cpu.json from before the series
+    assert rm.steady_state(tmp_path, times) == {}

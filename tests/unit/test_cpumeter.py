@@ -30,3 +30,25 @@ def test_cpu_of_a_process_group_is_counted_after_its_process_exits(tmp_path) -> 
     data = meter.write(tmp_path / "cpu.json")
     assert orjson.loads((tmp_path / "cpu.json").read_bytes()) == data
     assert data["cpu_s"] >= roles["busy"] and data["cores"] >= 1 and data["wall_s"] > 0
+
+
+def test_the_series_keeps_readings_over_time_and_thins_itself(tmp_path) -> None:
+    """``series`` lets a reader take the CPU of a stretch of the run; past ``max_series`` readings it keeps every
+    other one and doubles its spacing, so a long run's file stays small. ``own`` is this process's CPU."""
+    meter = CpuMeter(own="up", series_every_s=0.0, max_series=4)
+    proc = subprocess.Popen([sys.executable, "-c", BUSY.format(s=0.3)], start_new_session=True)
+    for _ in range(5):
+        meter.sample({"busy": proc.pid})
+        time.sleep(0.02)
+    proc.wait()
+    meter.sample({"busy": proc.pid})
+    assert len(meter.series) <= 4 and meter.series_every_s == 0.0  # 0 doubled stays 0: thinned at every overflow
+    times = [t for t, _ in meter.series]
+    assert times == sorted(times)
+    assert meter.series[-1][1]["up"] > 0 and meter.series[-1][1]["busy"] >= meter.series[0][1].get("busy", 0.0)
+    data = meter.write(tmp_path / "cpu.json")
+    assert data["series"] == meter.series and data["roles"]["up"] > 0
+    spaced = CpuMeter(series_every_s=1.0, max_series=2)
+    for _ in range(3):
+        spaced.sample({})
+    assert len(spaced.series) == 1  # one reading a second at most
