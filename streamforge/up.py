@@ -146,12 +146,13 @@ PARTITION_MIN_CORES = 4
 def cpu_plan(config: Any, *, cpus: int | Sequence[int] | None = None, environ: Any = None,
              cuda: bool | None = None) -> tuple[str | None, list[str | None]]:
     """(``trainer.cpus`` for the trainer or None, ``VLLM_CPU_OMP_THREADS_BIND`` of each engine: the generators',
-    then the evaluator's). On a CPU host of at least ``PARTITION_MIN_CORES`` cores with ``up.cpu_partition`` (default true)
-    and none of ``trainer.cpus``, ``generator.cpus`` or ``VLLM_CPU_OMP_THREADS_BIND`` set, the trainer (one rank)
-    takes the last ``up.trainer_cpu_share`` of the cores and the engines split the first ones: vLLM's own choice
-    would put its OpenMP threads on every core but one, and the trainer's on every core, two thread pools that each
-    wait at their barriers for a thread the other pool holds off its core (on 2 cores, a step beside a two-thread
-    matmul loop took 7-19 s against 2.0 s alone: bench/RESULTS.md). Otherwise ``(None, cpu_binds(...))``."""
+    then the evaluator's). On a CPU host of at least ``PARTITION_MIN_CORES`` cores with ``up.cpu_partition``
+    (default true) and none of ``trainer.cpus``, ``generator.cpus`` or ``VLLM_CPU_OMP_THREADS_BIND`` set, the
+    trainer (one rank) takes the last ``up.trainer_cpu_share`` of the cores and the engines split the first ones:
+    vLLM's own choice would put its OpenMP threads on every core but one, and the trainer's on every core, two
+    thread pools that each wait at their barriers for a thread the other pool holds off its core (on 2 cores, a
+    step beside a two-thread matmul loop took 7-19 s against 2.0 s alone: bench/RESULTS.md). Otherwise
+    ``(None, cpu_binds(...))``."""
     environ = os.environ if environ is None else environ
     engines = config.up.generators + config.up.evaluators
     ids = sorted(os.sched_getaffinity(0)) if cpus is None else list(range(cpus) if isinstance(cpus, int) else cpus)
