@@ -25,7 +25,9 @@ crashed generator's 2.5 GiB engine never outlives it.
 Several generators on one CPU host: vLLM's CPU engine binds its OpenMP threads to the same cores in every process
 (core 0 on a 2-core machine), so N engines would share one core while the others idle. Unless
 ``VLLM_CPU_OMP_THREADS_BIND`` is already set, ``up`` gives each generator its own slice of the cores
-(``cpu_binds``); GPU builds of vLLM ignore the variable.
+(``cpu_binds``); GPU builds of vLLM ignore the variable. From 4 cores up it also keeps the trainer off the engines'
+cores (``cpu_plan``: ``up.cpu_partition``, ``up.trainer_cpu_share``), unless the trainer's or the generators' own
+``cpus`` or that variable already place them.
 """
 
 from __future__ import annotations
