@@ -38,6 +38,12 @@ class GeneratorConfig:
     # on CPU 256 and 4096; its server defaults, 128 and 2048, would run a 32 x 8 burst of samples in two waves)
     max_num_seqs: int = 0
     max_num_batched_tokens: int = 0
+    # vLLM's KV cache block in tokens (0 = vLLM's own: 128 on CPU, 16 on GPU). Its prefix cache reuses full blocks
+    # only, so a group's samples share their prompt's whole blocks and nothing of a prompt shorter than one block:
+    # on CPU, 32 (the least its attention takes, in multiples of 32) cut a wave of SmolLM2's 51-token prompts by a
+    # third, while it slowed the tiny model's decoding (short prompts, nothing to share) by about a tenth
+    # (bench/RESULTS.md, 2026-12-06 evening)
+    kv_block_size: int = 0
     # the engine's weights and compute: bfloat16 generates faster on a CPU with avx512_bf16 (bench/bf16.py) and
     # receives the trainer's float32 pushes cast; its logprobs are the behaviour policy's, so the loss's importance
     # ratio against the trainer's float32 logprobs carries the precision mismatch (measured by bench/bf16.py)
@@ -103,6 +109,8 @@ class GeneratorConfig:
         for key in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"generator.{key}", "must be >= 0 (0 = vLLM's default)")
+        if self.kv_block_size < 0 or self.kv_block_size % 16:
+            raise ConfigError("generator.kv_block_size", "must be 0 (auto) or a multiple of 16 tokens")
         if self.max_policy_lag < 0:
             raise ConfigError("generator.max_policy_lag", "must be >= 0")
         if not self.rewards:

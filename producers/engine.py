@@ -4,7 +4,8 @@
 ``VLLM_CPU_KVCACHE_SPACE`` GiB, set from ``kv_cache_gib`` before the engine starts; ``max_num_seqs`` and
 ``max_num_batched_tokens`` bound a scheduler step, 0 = vLLM's offline ``LLM`` defaults; ``poll_s`` is how long its
 engine core and worker poll their shared-memory queues before they sleep, ``producers/vllm_poll.py``, None = vLLM's
-own 1 s). ``executor`` is vLLM's ``distributed_executor_backend`` (None: vLLM's choice, on CPU its multiprocess
+own 1 s). ``block_size`` is the KV cache's block in tokens (0 = vLLM's own, on CPU 128; its prefix cache reuses
+full blocks only). ``executor`` is vLLM's ``distributed_executor_backend`` (None: vLLM's choice, on CPU its multiprocess
 executor; ``"uni"``: the model runs in the engine core's own process, see ``_async_llm``). ``extra_args`` are
 more engine keyword arguments, e.g. ``weightsync.vllm_args(ws_cfg)`` (``worker_extension_cls``,
 ``weight_transfer_config``).
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from producers import vllm_fork, vllm_poll, vllm_swap
+from topics.errors import ConfigError
 
 log = logging.getLogger("streamforge.engine")
 
@@ -75,6 +77,14 @@ class Completion:
     generate_s: float = 0.0  # seconds from submission to the last token
 
 
+def check_block_size(block_size: int, key: str) -> None:
+    """Fail before the engine starts, naming ``key``, where this platform's attention cannot take the block."""
+    from vllm.platforms import current_platform
+
+    if block_size and current_platform.is_cpu() and block_size % 32:
+        raise ConfigError(key, f"{block_size}: vLLM's CPU attention takes multiples of 32 tokens")
+
+
 class Engine:
     """One vLLM ``AsyncLLM``. ``start()``/``stop()`` are idempotent; ``.llm`` is the engine, ``.version`` the policy."""
 
@@ -82,7 +92,7 @@ class Engine:
                  kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5, enforce_eager: bool = True,
                  logprobs_mode: str = "processed_logprobs", dtype: str = "float32", max_num_seqs: int = 0,
                  max_num_batched_tokens: int = 0, poll_s: float | None = vllm_poll.DEFAULT_POLL_S,
-                 executor: str | None = None, start_method: str = "auto",
+                 executor: str | None = None, start_method: str = "auto", block_size: int = 0,
                  extra_args: dict[str, Any] | None = None) -> None:
         self.model_path = str(model_path)
         self._version = version
@@ -98,6 +108,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.poll_s = poll_s
         self.executor = executor
+        self.block_size = block_size
         self.start_method = start_method
         self.extra_args = dict(extra_args or {})
         self.llm: Any = None
@@ -107,6 +118,7 @@ class Engine:
         self._stopped = False
         self.swaps = 0
         self.tokens_out = 0
+        self.prompt_tokens_cached = 0  # prompt tokens vLLM's prefix cache served, summed over finished requests
         self.last_swap_ms: dict[str, float] = {}  # phases of the last swap: pause, load, resume
         self._fused_swap = True  # swap_rpc in one engine-core call until the engine core says it cannot
 
@@ -131,6 +143,7 @@ class Engine:
             disable_log_stats=True,
             max_num_seqs=self.max_num_seqs or None,
             max_num_batched_tokens=self.max_num_batched_tokens or None,
+            block_size=self.block_size or None,
             **({"distributed_executor_backend": self.executor} if self.executor else {}),
             **self.extra_args,
         )
@@ -212,6 +225,8 @@ class Engine:
                     c.finish_reason = str(co.finish_reason)
                     c.versions = _token_versions(co.weight_versions, len(c.token_ids), self.version)
                     c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+            if ro.finished:
+                self.prompt_tokens_cached += ro.num_cached_tokens or 0
         return out
 
     # -- weight swap ----------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class EvaluatorRole(Service):
                                  kv_cache_gib=cfg.kv_cache_gib, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                  enforce_eager=gen.enforce_eager, max_num_seqs=gen.max_num_seqs,
                                  max_num_batched_tokens=gen.max_num_batched_tokens,
-                                 start_method=gen.vllm_start_method)
+                                 start_method=gen.vllm_start_method, block_size=gen.kv_block_size)
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU
         engine = self.engine
         checker = PromptChecker(engine.tokenizer, max_model_len=getattr(engine, "max_model_len", ctx.model.max_seq_len),

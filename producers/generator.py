@@ -47,7 +47,7 @@ from envs.routing import ServiceEnvRouter
 from models.tiny_model import ensure_model
 from producers import vllm_fork
 from producers.config import FeederConfig, GeneratorConfig
-from producers.engine import Engine, Sampling
+from producers.engine import Engine, Sampling, check_block_size
 from producers.flow import Backpressure, OffsetTracker, quota_phase
 from producers.intake import Intake, Rebalance
 from producers.multiturn import MultiTurnPipeline, TurnRenderer
@@ -146,6 +146,7 @@ class GeneratorRole(Service):
             if cores := pin(cfg.cpus, key="generator.cpus"):  # before the engine: its processes inherit it
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
                 log.info("generator %s runs on cores %s", self.generator_id, cores)
+            check_block_size(cfg.kv_block_size, "generator.kv_block_size")
             model = ensure_model(ctx.model.path, ctx.run_dir, seed=ctx.run.seed, source=ctx.model.source,
                                  cache_dir=ctx.model.cache_dir)
             self.engine = Engine(
@@ -154,7 +155,7 @@ class GeneratorRole(Service):
                 logprobs_mode=cfg.logprobs_mode, dtype=cfg.dtype, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
                 poll_s=None if cfg.vllm_poll_s == -1 else cfg.vllm_poll_s, executor=cfg.engine_executor(),
-                start_method=cfg.vllm_start_method,
+                start_method=cfg.vllm_start_method, block_size=cfg.kv_block_size,
                 extra_args=_weightsync_args(self.weightsync),
             )
         await self.engine.start()  # first: it blocks the loop for ~15 s on CPU
