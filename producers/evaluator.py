@@ -49,7 +49,7 @@ import orjson
 from models.tiny_model import ensure_model
 from producers import vllm_fork
 from producers.config import GeneratorConfig
-from producers.engine import Engine, Sampling
+from producers.engine import Engine, Sampling, check_block_size
 from producers.evaluation import (
     EvalConfig,
     Export,
@@ -145,6 +145,7 @@ class EvaluatorRole(Service):
             if cores := pin(cfg.cpus, key="eval.cpus"):  # before the engine: its processes inherit it
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpus
                 log.info("evaluator runs on cores %s", cores)
+            check_block_size(gen.kv_block_size, "generator.kv_block_size")
             model = ensure_model(ctx.model.path, ctx.run_dir, seed=ctx.run.seed, source=ctx.model.source,
                                  cache_dir=ctx.model.cache_dir)
             self.engine = Engine(str(model), max_model_len=ctx.model.max_seq_len, seed=cfg.seed,
