@@ -110,7 +110,7 @@ class GeneratorConfig:
             if getattr(self, key) < 0:
                 raise ConfigError(f"generator.{key}", "must be >= 0 (0 = vLLM's default)")
         if self.kv_block_size < 0 or self.kv_block_size % 16:
-            raise ConfigError("generator.kv_block_size", "must be 0 (auto) or a multiple of 16 tokens")
+            raise ConfigError("generator.kv_block_size", "must be 0 (vLLM's own) or a multiple of 16 tokens")
         if self.max_policy_lag < 0:
             raise ConfigError("generator.max_policy_lag", "must be >= 0")
         if not self.rewards:
