@@ -118,7 +118,9 @@ class Engine:
         self._stopped = False
         self.swaps = 0
         self.tokens_out = 0
-        self.prompt_tokens_cached = 0  # prompt tokens vLLM's prefix cache served, summed over finished requests
+        # prompt tokens vLLM's prefix cache served, summed over finished requests as vLLM reports them: for n > 1
+        # vLLM merges the samples' outputs and keeps one sample's count, so a group counts once, not n times
+        self.prompt_tokens_cached = 0
         self.last_swap_ms: dict[str, float] = {}  # phases of the last swap: pause, load, resume
         self._fused_swap = True  # swap_rpc in one engine-core call until the engine core says it cannot
 

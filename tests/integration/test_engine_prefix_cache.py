@@ -2,8 +2,10 @@
 
 vLLM reuses only whole KV blocks, and its CPU block is 128 tokens by default: prompts shorter than that are
 prefilled again for every sample. Proven here:
-* with 32-token blocks a 40-token prompt's first block is served from the cache to the requests after the first
-  and to a group's samples; with vLLM's default block nothing is;
+* with 32-token blocks a 40-token prompt's first block is served from the cache to the requests after the first,
+  and to requests of one prompt that arrive together (as a group's samples do: vLLM fans ``n`` out into such
+  requests); with vLLM's default block nothing is. The group is sent as separate requests because for ``n > 1``
+  vLLM merges the samples' outputs and reports one sample's cached count, whichever arrived first;
 * a weight swap clears that cache: greedy tokens and logprobs after loading other weights are those of an engine
   started on those weights, not ones computed over the old weights' cached prompt;
 * a block the CPU attention cannot take fails before the engine starts, naming the key.
@@ -11,6 +13,7 @@ prefilled again for every sample. Proven here:
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -26,8 +29,8 @@ PROMPT = [5 + (i * 7) % 23 for i in range(40)]  # 40 tokens: one whole 32-token 
 GREEDY = Sampling(max_tokens=6, temperature=0.0)
 
 
-async def _greedy(engine: Engine, prompt: list[int] = PROMPT) -> tuple[list[int], list[float]]:
-    (out,) = await engine.generate(prompt, 1, GREEDY)
+async def _greedy(engine: Engine) -> tuple[list[int], list[float]]:
+    (out,) = await engine.generate(PROMPT, 1, GREEDY)
     return out.token_ids, out.logprobs
 
 
@@ -43,15 +46,15 @@ async def test_block_32_caches_a_prompt_and_a_swap_clears_it(tmp_path: Path) -> 
         assert await _greedy(engine) == before
         assert engine.prompt_tokens_cached == 32  # the next request finds the prompt's whole block
         other = [t + 1 for t in PROMPT]
-        await engine.generate(other, 4, Sampling(max_tokens=4, seed=3))
-        assert engine.prompt_tokens_cached == 64  # a group's samples share theirs
+        await asyncio.gather(*(engine.generate(other, 1, Sampling(max_tokens=4, seed=i)) for i in range(4)))
+        assert engine.prompt_tokens_cached == 32 + 3 * 32  # requests that arrive together share the first's block
 
         async def load(llm) -> None:
             await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(new)})
 
         await engine.swap(1, load)
         after = await _greedy(engine)
-        assert engine.prompt_tokens_cached == 64  # the swap emptied the cache: nothing of the old weights' KV
+        assert engine.prompt_tokens_cached == 128  # the swap emptied the cache: nothing of the old weights' KV
     finally:
         await engine.stop()
 
