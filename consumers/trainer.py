@@ -46,6 +46,8 @@ from runtime.context import RoleContext
 from runtime.cpus import pin
 from runtime.lifecycle import Service
 from runtime.malloc import keep_freed_memory
+from runtime.metrics import flush_metrics, record_metric
+from topics.deadlines import within
 from topics.errors import ConfigError, RoleCrashed
 from topics.kafka import DeadLetters, Producer, Received
 from topics.schemas import Batch, SFTExample, TrainerProgress
@@ -57,10 +59,6 @@ _tracer = trace.get_tracer("streamforge.trainer")
 
 
 def _record(metrics: dict[str, Any], step: int) -> None:
-    try:
-        from runtime.metrics import flush_metrics, record_metric
-    except ImportError:  # pragma: no cover
-        return
     for key, value in metrics.items():
         if isinstance(value, (int, float)):
             record_metric(key if "/" in key else f"trainer/{key}", float(value))
@@ -222,9 +220,9 @@ class TrainerRole(Service):
 
     async def _close_round(self) -> None:
         if self._round is not None and not self._round.done():
-            await asyncio.wait_for(asyncio.shield(self._round), self.weightsync.ack_deadline_s + 5)
+            await within(asyncio.shield(self._round), self.weightsync.ack_deadline_s + 5)
         if self._progress_task is not None and not self._progress_task.done():
-            await asyncio.wait_for(self._progress_task, self.weightsync.timeout_s + 1)
+            await within(self._progress_task, self.weightsync.timeout_s + 1)
 
     async def _close_clients(self) -> None:
         for client in (self.publisher, self.source, self.producer):
@@ -438,7 +436,7 @@ class TrainerRole(Service):
         while self._progress_due is not None:
             progress, self._progress_due = self._progress_due, None
             try:
-                await asyncio.wait_for(self.publisher.store.put_progress(progress), self.weightsync.timeout_s)
+                await within(self.publisher.store.put_progress(progress), self.weightsync.timeout_s)
             except Exception as exc:  # noqa: BLE001 - progress is advisory: the next step writes it again
                 log.warning("could not write the trainer's progress (step %d): %s", progress.step, exc)
 

@@ -44,6 +44,7 @@ from opentelemetry import trace
 from envs.api import ActionRejected, EnvError, EnvObservation, EnvStepFailed, EnvTimeout, NoReplica, ReplicaLost
 from envs.config import EnvConfig
 from runtime.services import Replica, ServiceDirectory, ServiceUnavailable
+from topics.deadlines import within
 
 log = logging.getLogger("streamforge.env.routing")
 _tracer = trace.get_tracer("streamforge.env")
@@ -138,9 +139,9 @@ class RemoteEnvSession:
             return
         ws, self._ws = self._ws, None
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(ws.send('{"type":"close"}'), 1.0)
+            await within(ws.send('{"type":"close"}'), 1.0)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(ws.close(), 2.0)
+            await within(ws.close(), 2.0)
         if self._broken is None:
             self._broken = EnvStepFailed("the session is closed", env_name=self.env_name, replica_id=self.replica_id)
 
@@ -172,7 +173,7 @@ class RemoteEnvSession:
         t0 = time.monotonic()
         try:
             await self._ws.send(orjson.dumps({"type": kind, "data": data}).decode())
-            raw = await asyncio.wait_for(self._ws.recv(), timeout_s)
+            raw = await within(self._ws.recv(), timeout_s)
         except TimeoutError:
             err = self._error(EnvTimeout, f"{kind} took longer than {timeout_s} s", "timeout")
             self._broken = err

@@ -66,6 +66,7 @@ from runtime.context import RoleContext
 from runtime.cpus import pin
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
+from topics.deadlines import within
 from topics.errors import ConfigError, StreamforgeError
 from topics.nats import PolicyStore, connect
 from topics.schemas import PolicyVersion, Prompt
@@ -179,7 +180,7 @@ class EvaluatorRole(Service):
     async def _stop(self) -> None:
         if self.nc is not None and not self.nc.is_closed:
             try:
-                await asyncio.wait_for(self.nc.drain(), self.ctx.nats.request_timeout_s)
+                await within(self.nc.drain(), self.ctx.nats.request_timeout_s)
             except Exception as exc:  # noqa: BLE001 - close the rest whatever failed
                 log.warning("evaluator stop: NATS: %s", exc)
         if self.rewards is not None:

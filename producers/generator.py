@@ -60,6 +60,7 @@ from runtime.cpus import available, pin
 from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
 from runtime.services import ServiceDirectory
+from topics.deadlines import within
 from topics.errors import CodecError, StreamforgeError
 from topics.kafka import Consumer, DeadLetters, Producer
 from topics.nats import PolicyStore, connect
@@ -267,7 +268,7 @@ class GeneratorRole(Service):
         if self.services is not None:
             await self.services.stop()
         if self.nc is not None and not self.nc.is_closed:
-            await asyncio.wait_for(self.nc.drain(), self.ctx.nats.request_timeout_s)
+            await within(self.nc.drain(), self.ctx.nats.request_timeout_s)
 
     def loops(self) -> dict[str, Any]:
         assert self.intake is not None

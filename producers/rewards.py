@@ -59,6 +59,7 @@ from typing import Any
 
 from models.tasks import get_task
 from runtime.remote_reward import REMOTE_PREFIX, RemoteReward
+from topics.deadlines import within
 from topics.errors import ConfigError, StreamforgeError, TimeoutExpired
 from topics.schemas import Prompt
 
@@ -286,7 +287,7 @@ class RewardSet:
     async def _one(self, name: str, fn: RewardFn, prompt: Prompt, text: str) -> float:
         loop = asyncio.get_running_loop()
         try:
-            value = await asyncio.wait_for(loop.run_in_executor(self._pool, fn, prompt, text), self.timeout_s)
+            value = await within(loop.run_in_executor(self._pool, fn, prompt, text), self.timeout_s)
         except TimeoutError:
             raise RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s") from None
         except Exception as exc:
@@ -313,7 +314,7 @@ class RewardSet:
             return fn(prompts=[prompt.text] * len(texts), completions=list(texts), **group_columns(prompt, len(texts)))
 
         try:
-            values = await asyncio.wait_for(loop.run_in_executor(self._pool, call), self.timeout_s)
+            values = await within(loop.run_in_executor(self._pool, call), self.timeout_s)
         except TimeoutError:
             raise RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s") from None
         except Exception as exc:
@@ -332,7 +333,7 @@ class RewardSet:
         try:
             # the call waits for a replica with room and for its answer, all within timeout_s (the outer bound is
             # a guard): its own error says which
-            values = await asyncio.wait_for(fn.score(prompt, texts, timeout_s=self.timeout_s), self.timeout_s + 1)
+            values = await within(fn.score(prompt, texts, timeout_s=self.timeout_s), self.timeout_s + 1)
         except (TimeoutError, TimeoutExpired):
             return [RewardFailed(name, "reward_timeout", f"no result within {self.timeout_s} s")] * len(texts)
         except Exception as exc:  # noqa: BLE001 - no replica, a replica's fault: every row of the group fails

@@ -32,6 +32,7 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any, Self
 
+from topics.deadlines import cancel_and_wait, within
 from topics.errors import RoleCrashed
 
 log = logging.getLogger("streamforge.lifecycle")
@@ -126,14 +127,12 @@ class Service:
             self._stopping.set()
             if crash is None:
                 try:
-                    await asyncio.wait_for(self.drain(), self.drain_timeout_s)
+                    await within(self.drain(), self.drain_timeout_s)
                 except TimeoutError:
                     log.warning("%s: drain did not finish within %.1f s", self.name, self.drain_timeout_s)
         finally:
             stopper.cancel()
-            for task in tasks:
-                task.cancel()
-            _, stuck = await asyncio.wait(tasks, timeout=CANCEL_TIMEOUT_S)
+            stuck = await cancel_and_wait(tasks, CANCEL_TIMEOUT_S)  # cancelled again while one runs on
             for task in stuck:  # a loop that ignores its cancellation: say where it hangs, then go on
                 where = "".join(traceback.format_stack(task.get_stack(limit=1)[-1])) if task.get_stack() else "?"
                 log.error("%s: loop %r did not stop within %.0f s of its cancellation, at:\n%s", self.name,

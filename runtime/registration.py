@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 
 from runtime.services import DRAINING, SERVING, open_bucket, service_key
 from topics import codec
+from topics.deadlines import within
 from topics.errors import CodecError
 from topics.names import Names, valid_replica_id, valid_service_name
 from topics.refusals import guarded, subscribe_checked
@@ -144,7 +145,7 @@ class ServiceRegistration:
             task.cancel()
         if self._kv is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(guarded(self.nc, [self.subject], self._kv.delete(self.key)), self.timeout_s)
+                await within(guarded(self.nc, [self.subject], self._kv.delete(self.key)), self.timeout_s)
         self._kv = None
 
     async def _on_request(self, msg: Any) -> None:

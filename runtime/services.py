@@ -50,6 +50,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import BucketNotFoundError
 
 from topics import codec
+from topics.deadlines import within
 from topics.errors import CodecError, PermissionDenied, StreamforgeError, TimeoutExpired
 from topics.names import Names
 from topics.refusals import guarded
@@ -290,7 +291,7 @@ class ServiceDirectory:
                     raise
                 async with self._changed:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._changed.wait(), left)
+                        await within(self._changed.wait(), left)
 
     def mark_lost(self, service: str, replica_id: str) -> None:
         """This caller found the replica dead: route nothing to it until it beats again a heartbeat later."""
@@ -310,7 +311,7 @@ class ServiceDirectory:
             return self.healthy(service)
 
         try:
-            return await asyncio.wait_for(enough(), timeout_s)
+            return await within(enough(), timeout_s)
         except TimeoutError:
             raise TimeoutExpired(f"service {service!r}: {len(self.healthy(service))} of {count} replicas healthy "
                                  f"after {timeout_s} s") from None

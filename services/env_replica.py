@@ -26,6 +26,7 @@ from runtime.lifecycle import Service
 from runtime.metrics import flush_metrics, record_metric
 from runtime.registration import ServiceRegistration
 from runtime.services import default_replica_id
+from topics.deadlines import within
 from topics.errors import ConfigError
 from topics.nats import connect
 
@@ -82,7 +83,7 @@ class EnvRole(Service):
         await self.server.stop()
         if self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), self.ctx.nats.request_timeout_s)
+                await within(self.nc.drain(), self.ctx.nats.request_timeout_s)
         self._report()
 
     async def _metrics(self) -> None:

@@ -32,6 +32,7 @@ from runtime.registration import RequestRefused, ServiceRegistration
 from runtime.remote_reward import TIMEOUT_PREFIX, prompts_of
 from runtime.services import default_replica_id
 from services.config import RewardServiceConfig
+from topics.deadlines import within
 from topics.errors import ConfigError
 from topics.nats import connect
 from topics.schemas import RewardReply, RewardRequest
@@ -85,7 +86,7 @@ class RewardRole(Service):
             await self.registration.stop()
         if self.nc is not None and not self.nc.is_closed:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.nc.drain(), self.ctx.nats.request_timeout_s)
+                await within(self.nc.drain(), self.ctx.nats.request_timeout_s)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def score(self, request: Any) -> RewardReply:

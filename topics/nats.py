@@ -25,6 +25,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from topics import codec, refusals
 from topics.config import NatsConfig
+from topics.deadlines import within
 from topics.errors import BrokerUnavailable, CodecError, StaleWriter, TimeoutExpired
 from topics.names import Names
 from topics.schemas import PolicyVersion, TrainerProgress
@@ -94,8 +95,7 @@ async def connect(cfg: NatsConfig, *, name: str) -> NATS:
         try:
             # bounded: nats-py can retry a failing TLS handshake forever inside one connect()
             nc = _Client()
-            await asyncio.wait_for(nc.connect(**kw, error_cb=on_error, allow_reconnect=True),
-                                   timeout=3 * cfg.connect_timeout_s + 1)
+            await within(nc.connect(**kw, error_cb=on_error, allow_reconnect=True), 3 * cfg.connect_timeout_s + 1)
             nc.options["max_reconnect_attempts"] = -1  # once connected, reconnect forever: roles degrade, not die
             made.append(nc)
             return nc

@@ -22,6 +22,7 @@ from typing import Any
 import nats.errors
 
 from topics import codec
+from topics.deadlines import within
 from topics.errors import CodecError, InvalidMessage, StaleWriter
 from topics.nats import OnBadMessage, PolicyStore
 from topics.schemas import PolicyVersion
@@ -69,10 +70,10 @@ class PolicyKV:
         delay = 0.5
         while True:
             try:
-                self.rev = await asyncio.wait_for(self.store.publish(pv, expected_revision=self.rev), self.timeout_s)
+                self.rev = await within(self.store.publish(pv, expected_revision=self.rev), self.timeout_s)
                 return self.rev
             except StaleWriter:
-                value, rev = await asyncio.wait_for(self.store.entry(self.store.names.LATEST_KEY), self.timeout_s)
+                value, rev = await within(self.store.entry(self.store.names.LATEST_KEY), self.timeout_s)
                 verdict = await self._after_failed_set(pv, value, rev)
                 if verdict == "stale":
                     raise
@@ -110,7 +111,7 @@ class PolicyKV:
     async def write_fenced(self) -> None:
         """Write the fencing record; a failure is counted, reported and retried (module docstring)."""
         try:
-            await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.timeout_s)
+            await within(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - never fail a round on the bookkeeping write; it is retried
             self.counters["kv_failures"] += 1
             self.counters["fence_write_failures"] += 1
@@ -130,7 +131,7 @@ class PolicyKV:
             delay = min(delay * 2, 10.0)
             self.fence_dirty = False  # write_fenced sets it again on failure, without a second retry task
             try:
-                await asyncio.wait_for(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.timeout_s)
+                await within(self.store.put(FENCED_KEY, self.registry.fenced_json()), self.timeout_s)
                 log.info("fencing record written after a retry")
             except Exception as exc:  # noqa: BLE001 - retried until it lands or the publisher stops
                 self.fence_dirty = True

@@ -53,6 +53,7 @@ import orjson
 import torch
 
 from topics import codec
+from topics.deadlines import within
 from topics.errors import CodecError, ConfigError, InvalidMessage, StreamforgeError
 from topics.names import MAX_MEMBER_ID, Names
 from topics.nats import OnBadMessage, PolicyStore, publish_msg
@@ -100,8 +101,7 @@ class WeightPublisher:
         self.registry = Registry(member_timeout_s=cfg.member_timeout_s)
         self.counters: Counter[str] = Counter()
         self.latest_version = -1
-        self.kv = PolicyKV(self.store, self.registry, timeout_s=cfg.timeout_s, counters=self.counters,
-                           metric=_metric)
+        self.kv = PolicyKV(self.store, self.registry, timeout_s=cfg.timeout_s, counters=self.counters, metric=_metric)
         self._latest: Snapshot | None = None
         self._latest_pv: PolicyVersion | None = None
         self._rdzv: Rendezvous | None = None
@@ -167,7 +167,7 @@ class WeightPublisher:
         self._stopped = True
         if self._round is not None and not self._round.done():
             try:
-                await asyncio.wait_for(asyncio.shield(self._round), self.cfg.ack_deadline_s + 1)
+                await within(asyncio.shield(self._round), self.cfg.ack_deadline_s + 1)
             except Exception:  # noqa: BLE001 - stopping: a failed or slow last round must not block it
                 self._round.cancel()
         for sub in self._subs:
@@ -312,7 +312,7 @@ class WeightPublisher:
             if pending:
                 wake = min(wake, max(0.05, min(pending) + self.cfg.handshake_timeout_s - time.time() + 0.01))
             try:
-                await asyncio.wait_for(self._acks_done.wait(), wake)
+                await within(self._acks_done.wait(), wake)
             except TimeoutError:
                 async with self._lock:
                     self._expire_unconfirmed(time.time())

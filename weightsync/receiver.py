@@ -41,6 +41,7 @@ from typing import Any, Self
 import nats.errors
 from opentelemetry import trace
 
+from topics.deadlines import cancel_and_wait, within
 from topics.errors import StreamforgeError, TimeoutExpired
 from topics.names import Names
 from topics.nats import PolicyStore, publish_msg, request_msg
@@ -106,10 +107,19 @@ class WeightReceiver:
         await self.stop()
 
     async def loop(self) -> None:
-        """Heartbeat and follow the store until cancelled (a crash of either propagates to the supervisor)."""
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._heartbeat(), name="weightsync-heartbeat")
-            tg.create_task(self._follow(), name="weightsync-follow")
+        """Heartbeat and follow the store until cancelled (a crash of either propagates to the supervisor).
+
+        Not a ``TaskGroup``: on Python 3.11 it cancels its tasks once, and a cancel that nats-py's ``wait_for``
+        dropped (inside a request or the watch's setup) left ``_follow`` in the watch and the group waiting on it
+        for ever. Both tasks are ended by ``cancel_and_wait``, which cancels again until they are."""
+        tasks = [asyncio.create_task(self._heartbeat(), name="weightsync-heartbeat"),
+                 asyncio.create_task(self._follow(), name="weightsync-follow")]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a crash; the heartbeat never returns, and the watch only when its store is closed
+        finally:
+            await cancel_and_wait(tasks)
 
     # -- membership -------------------------------------------------------------------------------
     def _membership(self, event: str) -> Membership:
@@ -117,8 +127,7 @@ class WeightReceiver:
                           host=socket.gethostname(), pid=os.getpid())
 
     async def _announce(self, event: str) -> None:
-        await asyncio.wait_for(publish_msg(self.nc, self.names.membership_subject, self._membership(event)),
-                               self.cfg.timeout_s)
+        await within(publish_msg(self.nc, self.names.membership_subject, self._membership(event)), self.cfg.timeout_s)
 
     async def _heartbeat(self) -> None:
         """Waits ``heartbeat_s`` between beats; a failed beat is logged and counted, never fatal."""
@@ -246,7 +255,7 @@ class WeightReceiver:
     async def _fenced(self) -> bool:
         """Whether the trainer fenced this generator (then it re-joins to get a fresh pair and the latest push)."""
         try:
-            data = await asyncio.wait_for(self.store.get(FENCED_KEY), self.cfg.timeout_s)
+            data = await within(self.store.get(FENCED_KEY), self.cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - unknown fencing state: carry on with the current pair
             log.warning("could not read the fencing record: %s", exc)
             return False
@@ -309,7 +318,7 @@ class WeightReceiver:
 
     async def _rpc(self, coro: Any, what: str, *, factor: float = 1.0) -> Any:
         try:
-            return await asyncio.wait_for(coro, self.cfg.timeout_s * factor)
+            return await within(coro, self.cfg.timeout_s * factor)
         except TimeoutError:
             self.counters["rpc_timeouts"] += 1
             raise TimeoutExpired(f"engine call {what} took longer than {self.cfg.timeout_s * factor:.1f} s") from None
@@ -319,7 +328,7 @@ class WeightReceiver:
         ack = VersionAck(generator_id=self.generator_id, version=version, ok=ok, pause_ms=pause_ms,
                          transfer_ms=transfer_ms, error=error[:500])
         try:
-            await asyncio.wait_for(publish_msg(self.nc, self.names.ack_subject, ack), self.cfg.timeout_s)
+            await within(publish_msg(self.nc, self.names.ack_subject, ack), self.cfg.timeout_s)
         except Exception as exc:  # noqa: BLE001 - a lost ack is counted; the trainer fences on its deadline
             self.counters["ack_failures"] += 1
             log.warning("could not ack version %d: %s", version, exc)

@@ -53,6 +53,15 @@ def _dump_tasks() -> None:
         print(f"default executor: {len(pool._threads)} threads, {pool._work_queue.qsize()} queued")
 
 
+async def _ends_on_cancel(task: asyncio.Task, timeout: float) -> bool:
+    """Cancel ``task`` and wait for it to end, at most ``timeout`` s; past that print every task's stack."""
+    task.cancel()
+    if (await asyncio.wait([task], timeout=timeout))[0]:
+        return True
+    _dump_tasks()
+    return False
+
+
 async def _prompt_logprobs(engine, tag: str) -> torch.Tensor:
     from vllm import SamplingParams
 
@@ -138,12 +147,12 @@ async def test_the_pair_and_the_staging_copy_are_ready_before_the_first_version(
         _dump_tasks()
         raise
     finally:
-        if follow is not None:
-            follow.cancel()
-            await asyncio.gather(follow, return_exceptions=True)
+        # bounded too: the clean-up once waited on a receiver loop that had lost its cancel (topics/deadlines.py)
+        ended = follow is None or await _ends_on_cancel(follow, 30)
         if pub is not None:
             await pub.stop()
         for nc in (nc_g, nc_t):
             if nc is not None:
                 await nc.close()
         await engine.stop()
+    assert ended, "the receiver's loop did not end within 30 s of its cancel (every task's stack is printed above)"
