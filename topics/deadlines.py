@@ -1,5 +1,6 @@
-"""Bounded awaits and cancels that are not lost: ``within(awaitable, timeout_s)`` instead of ``asyncio.wait_for``,
-and ``cancel_and_wait(tasks)`` to end tasks that may have dropped a cancel.
+"""Bounded awaits whose cancels are never lost (``within``, not ``asyncio.wait_for``), and ``cancel_and_wait``.
+
+``within(awaitable, timeout_s)`` bounds an await; ``cancel_and_wait(tasks)`` ends tasks that may have dropped a cancel.
 
 On Python 3.11 ``asyncio.wait_for`` (ours, and nats-py's inside every request and KV watch) drops a cancel of the
 task that awaits it when the cancel arrives in the loop turn in which the awaited thing finishes: it returns the
