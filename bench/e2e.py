@@ -45,9 +45,13 @@ the rounds' ratios (``bench/reading.py``: a missed target counts as infinitely s
 One round is no reading: on one day TRL took 6.9-8.9 s and async 13.3-15.5 s, single rounds read ``speedup_vs_trl``
 0.465-0.582 (bench/RESULTS.md, 2026-12-05). ``--breakdown`` reads the last round's runs.
 
+Sync and async share every setting but those the output's ``differences`` lists, each with both values and its
+reason (``WHY_DIFFERENT``: the two that make the modes, and three measured levers the other mode does not gain
+from); ``settings`` has each mode's full list. A difference without a stated reason stops the bench at start.
+
 Variants: ``--task addmod10 --max-tokens 2`` (default) and a generation-heavy one, e.g. ``--task reverse
 --max-tokens 8``. Last line: ``{"bench": "e2e", "trl_s": A, "sync_s": B, "async_s": C, "speedup_vs_trl": A/C,
-"speedup_vs_sync": B/C, ..., "rounds": {...}}``.
+"speedup_vs_sync": B/C, ..., "rounds": {...}, "settings": {...}, "differences": {...}}``.
 """
 
 from __future__ import annotations
@@ -125,16 +129,28 @@ def run_trl(model_dir: Path, args: argparse.Namespace, out: Path) -> dict[str, A
     return {"seconds": secs, "best_reward": best, "steps": len(rewards)}
 
 
-def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: int) -> dict[str, Any]:
-    from streamforge.api import RLConfig, train
-    from streamforge.plots import read_metrics
+# Why a setting differs between the two streamforge modes (the module docstring): the output names every key
+# that differs with its reason, and a difference with no reason here stops the bench.
+WHY_DIFFERENT = {
+    "staleness.max_versions": "the mode itself: sync trains every batch on the latest weights, async within a bound",
+    "trainer.publish_busy": "the mode itself: sync waits for each swap, async never waits",
+    "trainer.publish_every": "async swaps every few steps (a swap stops the generator longer than a 2-token "
+                             "generation takes); sync publishes every step, which staleness 0 needs",
+    "generator.max_concurrent_prompts": "sync's quota allows one batch ahead, so more prompts at once only wait; "
+                                        "async runs more at once (the module docstring)",
+    "generator.vllm_executor": "async pinned: the model in the engine core's process (faster there); sync keeps "
+                               "vLLM's executor, faster for it (the module docstring)",
+}
 
-    run_dir = out / f"sf-lag{lag}"
-    extra = {"trainer.reward_window": args.window, "feeder.source": f"toy:{args.task}",
-             "trainer.checkpoint_every": 1000, "buffer.filter_zero_variance": args.filter_zero_variance,
-             "trainer.shared_prefix": True}  # as the demo: a group's prompt once per row (both modes alike)
+
+def mode_settings(args: argparse.Namespace, lag: int) -> dict[str, Any]:
+    """Every streamforge setting this bench gives a mode (``lag`` 0: sync) beyond the shared ``RLConfig`` ones."""
+    extra: dict[str, Any] = {"staleness.max_versions": lag, "trainer.reward_window": args.window,
+                             "feeder.source": f"toy:{args.task}", "trainer.checkpoint_every": 1000,
+                             "buffer.filter_zero_variance": args.filter_zero_variance,
+                             "trainer.shared_prefix": True}  # as the demo: a group's prompt once per row (both)
     # sync (lag 0): every batch from the latest weights, the trainer waiting for each swap; async: the demo's
-    # bound (staleness.max_versions 2, the buffer's and generators' bounds derived) and a trainer that never waits
+    # bound (the buffer's and generators' bounds derived) and a trainer that never waits
     extra["trainer.publish_busy"] = "wait" if lag == 0 else "skip"
     if lag:  # a swap stops the generator ~100-200 ms for a 2-token generation of ~30-60 ms: swap every third step
         extra["trainer.publish_every"] = args.async_publish_every
@@ -145,6 +161,30 @@ def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: i
         extra["generator.cpus"] = args.generator_cpus
         extra["generator.loop_cpus"] = args.loop_cpus
     extra.update(kv.split("=", 1) for kv in args.sf)
+    return extra
+
+
+def differences(sync: dict[str, Any], asyn: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each setting the two modes do not share: both values and why (``WHY_DIFFERENT``; a key without a reason
+    there is an error, so no difference goes unstated). A key one mode leaves unset reads ``"default"``."""
+    out = {}
+    for key in sorted(set(sync) | set(asyn)):
+        a, b = sync.get(key, "default"), asyn.get(key, "default")
+        if a != b:
+            if key not in WHY_DIFFERENT:
+                raise SystemExit(f"bench/e2e.py: {key} differs between sync ({a}) and async ({b}) with no stated "
+                                 "reason (WHY_DIFFERENT)")
+            out[key] = {"sync": a, "async": b, "why": WHY_DIFFERENT[key]}
+    return out
+
+
+def run_streamforge(model_dir: Path, args: argparse.Namespace, out: Path, lag: int) -> dict[str, Any]:
+    from streamforge.api import RLConfig, train
+    from streamforge.plots import read_metrics
+
+    run_dir = out / f"sf-lag{lag}"
+    extra = mode_settings(args, lag)
+    del extra["staleness.max_versions"]  # RLConfig's max_staleness sets it
     cfg = RLConfig(output_dir=str(run_dir), model=str(model_dir), learning_rate=args.lr,
                    num_generations=args.group_size, prompts_per_step=args.prompts, max_completion_length=args.max_tokens,
                    max_steps=args.max_steps, reward_target=args.target, max_staleness=lag, seed=args.seed,
@@ -253,6 +293,7 @@ def main() -> None:
     from models.tiny_model import build_tiny_model
     from models.warmstart import warm_start
 
+    differences(mode_settings(args, 0), mode_settings(args, args.async_staleness))  # every difference stated
     out = Path(tempfile.mkdtemp(prefix="sf-bench-e2e-"))
     model_dir = build_tiny_model(out / "model", seed=args.seed)
     if args.warmstart > 0:  # the same supervised warm start as the demo, shared by all three systems
@@ -282,6 +323,7 @@ def main() -> None:
         return [r.get(name, {}).get("seconds") for r in rounds]
 
     a, b, c = col("trl"), col("sync"), col("async")
+    settings = {"sync": mode_settings(args, 0), "async": mode_settings(args, args.async_staleness)}
     print(orjson.dumps({
         "bench": "e2e", "task": args.task, "max_tokens": args.max_tokens, "trl_s": median(a), "sync_s": median(b),
         "async_s": median(c), "speedup_vs_trl": median([ratio(x, y) for x, y in zip(a, c)]),
@@ -289,6 +331,7 @@ def main() -> None:
         "best_reward": {k: round(max(r[k]["best_reward"] for r in rounds if k in r), 3) for k in rounds[0]},
         "generator_cpus": args.generator_cpus, "rounds": {k: [r.get(k, {}).get("seconds") for r in rounds]
                                                            for k in rounds[0]},
+        "settings": settings, "differences": differences(settings["sync"], settings["async"]),
         **({"breakdown": phases} if phases else {}),
     }).decode())
 

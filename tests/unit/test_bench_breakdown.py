@@ -1,4 +1,5 @@
-"""``bench/e2e.py --breakdown``: a step's phases read from a run's traces (hand-made spans, known durations)."""
+"""``bench/e2e.py``: a step's phases read from a run's traces (hand-made spans, known durations), and the settings
+that differ between its sync and async modes, each stated."""
 
 from __future__ import annotations
 
@@ -45,3 +46,22 @@ def test_breakdown_reads_each_phase_from_the_spans(tmp_path: Path) -> None:
     assert phases["step_period"] == 50.0 and phases["train"] == 30.0 and phases["publish"] == 4.0
     assert phases["trainer_wait"] == 16.0  # 50 - 30 - 4
     assert phases["publish_to_swap"] == 6.0 and phases["swap"] == 8.0
+
+
+def test_every_setting_that_differs_between_sync_and_async_is_stated_with_its_reason() -> None:
+    import argparse
+
+    import pytest
+
+    e2e = load_e2e()
+    args = argparse.Namespace(window=20, task="addmod10", filter_zero_variance=1, async_publish_every=3,
+                              async_prompts=24, generator_cpus="1", loop_cpus="0,1", sf=["trainer.lr=1e-3"])
+    sync, asyn = e2e.mode_settings(args, 0), e2e.mode_settings(args, 4)
+    diff = e2e.differences(sync, asyn)
+    assert set(diff) == {"staleness.max_versions", "trainer.publish_busy", "trainer.publish_every",
+                         "generator.max_concurrent_prompts", "generator.vllm_executor"}
+    assert diff["trainer.publish_every"] == {"sync": "default", "async": 3,
+                                             "why": e2e.WHY_DIFFERENT["trainer.publish_every"]}
+    assert sync["trainer.lr"] == asyn["trainer.lr"] == "1e-3" and sync["generator.cpus"] == asyn["generator.cpus"]
+    with pytest.raises(SystemExit, match="trainer.lr differs"):  # a difference nobody explained stops the bench
+        e2e.differences(sync, {**asyn, "trainer.lr": "2e-3"})

@@ -53,14 +53,15 @@ def test_a_read_run_keeps_its_metrics_and_drops_its_weights(tmp_path: Path) -> N
 def test_trl_mixed_precision_is_tried_first_only_on_a_cpu_with_amx() -> None:
     rm = load_realmodel()
     assert rm.default_trl_configs({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}).split(",") == [
-        "async", "vllm-colocate", "transformers-bf16", "transformers"]
+        "async", "vllm-colocate", "vllm-server", "transformers-bf16", "transformers"]
     # avx512_bf16 alone (the AMD EPYC): TRL's bf16=True was slower than its fp32 there
-    assert rm.default_trl_configs({"avx512f", "avx512_bf16"}).split(",") == ["async", "vllm-colocate", "transformers"]
+    assert rm.default_trl_configs({"avx512f", "avx512_bf16"}).split(",") == [
+        "async", "vllm-colocate", "vllm-server", "transformers"]
     # a host with jemalloc (streamforge's roles run under it there): TRL's fastest local configuration under it first
     assert rm.default_trl_configs({"amx_bf16"}, jemalloc=True).split(",") == [
-        "async", "vllm-colocate", "transformers-bf16+jemalloc", "transformers-bf16", "transformers"]
+        "async", "vllm-colocate", "vllm-server", "transformers-bf16+jemalloc", "transformers-bf16", "transformers"]
     assert rm.default_trl_configs(set(), jemalloc=True).split(",") == [
-        "async", "vllm-colocate", "transformers+jemalloc", "transformers"]
+        "async", "vllm-colocate", "vllm-server", "transformers+jemalloc", "transformers"]
     assert isinstance(rm.cpu_flags(), set)
 
 
@@ -79,3 +80,39 @@ def test_steady_state_reads_cpu_per_step_from_the_runs_series(tmp_path: Path) ->
     assert rm.steady_state(tmp_path, times[:4]) == {}  # too few steps to read
     (tmp_path / "cpu.json").write_bytes(orjson.dumps({"cores": 2, "roles": {}}))  # a cpu.json from before the series
     assert rm.steady_state(tmp_path, times) == {}
+
+
+def test_scoring_seeds_are_not_the_tuning_seeds() -> None:
+    rm = load_realmodel()
+    assert not set(rm.SCORING_SEEDS) & set(rm.TUNING_SEEDS)
+
+
+def test_a_trl_configuration_that_failed_is_not_tried_again_and_keeps_its_reason(tmp_path: Path, monkeypatch) -> None:
+    """Seed after seed, a configuration that failed before its first step is reported with its reason, not re-run."""
+    import argparse
+    import subprocess
+
+    import orjson
+
+    rm = load_realmodel()
+    calls: list[str] = []
+
+    def fake_run(cmd, **kw):
+        name = cmd[cmd.index("--trl-configs") + 1]
+        calls.append(name)
+        out = Path(cmd[cmd.index("--out") + 1])
+        if name == "vllm-server":
+            stdout = orjson.dumps({"trl_config": None, "tried": ["vllm-server: NotImplementedError: needs CUDA"]})
+            return subprocess.CompletedProcess(cmd, 0, stdout.decode() + "\n", "")
+        (out / "trl.jsonl").write_bytes(orjson.dumps({"time": 1.0, "step": 1, "reward": 0.5}) + b"\n")
+        return subprocess.CompletedProcess(cmd, 0, orjson.dumps({"trl_config": name, "tried": []}).decode() + "\n", "")
+
+    monkeypatch.setattr(rm.subprocess, "run", fake_run)
+    args = argparse.Namespace(trl_configs="vllm-server,transformers", config="c", budget_s=1.0, target=0.6, trl_python="",
+                              window=1, seed=21)
+    first = rm.run_trl(args, tmp_path)
+    second = rm.run_trl(args, tmp_path)
+    assert calls == ["vllm-server", "transformers", "transformers"]
+    assert first["trl_config"] == second["trl_config"] == "transformers"
+    assert first["tried"] == ["vllm-server: NotImplementedError: needs CUDA"]
+    assert second["tried"] == ["vllm-server: NotImplementedError: needs CUDA (earlier seed; not tried again)"]
