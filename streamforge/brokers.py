@@ -109,11 +109,44 @@ def weed_binary() -> str:
     return found
 
 
+async def wait_listening(addresses: list[tuple[str, int]], deadline: float, what: str) -> None:
+    """Until one of ``addresses`` accepts a TCP connection (or ``deadline``, a ``time.monotonic()``): a client
+    started before then logs its refused connections as errors (aiokafka does), so each waits here first and says
+    so once at INFO."""
+    said = False
+    while time.monotonic() < deadline:
+        for host, port in addresses:
+            try:
+                _, writer = await asyncio.open_connection(host, port)
+            except OSError:
+                continue
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+            return
+        if not said:
+            log.info("waiting for the %s broker at %s", what, ",".join(f"{h}:{p}" for h, p in addresses))
+            said = True
+        await asyncio.sleep(0.05)
+
+
+def _host_ports(servers: str, default_port: int) -> list[tuple[str, int]]:
+    """``host:port,host:port`` (a Kafka bootstrap list, or a NATS URL's authority part) as pairs."""
+    out = []
+    for item in servers.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        if not sep or not port.isdigit():
+            host, port = item.strip(), str(default_port)
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
 async def wait_kafka(bootstrap: str, timeout_s: float = 30.0) -> None:
-    """Wait until a Kafka-protocol broker answers a metadata request."""
+    """Wait until a Kafka-protocol broker answers a metadata request (first until its port listens)."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     deadline = time.monotonic() + timeout_s
+    await wait_listening(_host_ports(bootstrap, 9092), deadline, "Kafka")
     last: Exception | None = None
     while time.monotonic() < deadline:
         admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=3000)
