@@ -228,3 +228,19 @@ def test_accepted_offsets_are_contiguous_and_commits_never_pass_a_missing_one(se
         r.resume_due(consumer, float(fetch) + 1.0, paused=False)
     assert accepted == list(range(n))
     assert r.guard.counters["offset_gaps_skipped"] == 0
+
+
+def test_status_lists_each_buffers_health_from_its_file(tmp_path: Path) -> None:
+    from streamforge.status import buffer_health
+
+    assert buffer_health(tmp_path) is None
+    r, consumer = reader(tmp_path, fail_after_s=1.0), FakeConsumer()
+    r.check_health(0.0)
+    assert buffer_health(tmp_path) == {"b0": {"state": "ok", "reason": "", "gaps": [], "updated_at": pytest.approx(
+        orjson.loads((tmp_path / "health-b0.json").read_bytes())["updated_at"])}}
+    asyncio.run(r.start(consumer, {TopicPartition(TOPIC, 0): 7}))
+    r.accept(consumer, 0, 9, now=1.0)
+    r.check_health(3.0)
+    (tmp_path / "health-other.json").write_bytes(b"{not json")  # skipped, as a file being replaced would be
+    [(bid, row)] = buffer_health(tmp_path).items()
+    assert bid == "b0" and row["state"] == "failing" and row["gaps"] == [{"partition": 0, "offset": 7, "open_s": 2.0}]
