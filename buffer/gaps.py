@@ -143,10 +143,6 @@ class GapGuard:
         gap = self._open.get(partition)
         return gap.retry_at if gap is not None else 0.0
 
-    def next_retry(self) -> float | None:
-        """The earliest re-read due of a gap that waits; None when none waits."""
-        return min((g.retry_at for g in self._open.values() if g.retry_at > 0), default=None)
-
     # -- health -------------------------------------------------------------------------------
     def failing(self, now: float) -> list[Gap]:
         """The gaps open ``fail_after_s`` or longer (each counted once in ``offset_gaps_failing``)."""
@@ -227,6 +223,10 @@ class GapReader:
         log.debug("%s: %s partition %d: offset %d came before %d; reading again from there", self.who, self.topic,
                   partition, offset, expected)
         return False
+
+    def next_resume(self) -> float | None:
+        """When the first paused partition's re-read is due; None when none waits."""
+        return min((self.guard.hold_until(p) for p in self.waiting), default=None)
 
     def resume_due(self, consumer: Any, now: float, *, paused: bool) -> None:
         """Resume the partitions whose re-read is due, unless consumption is ``paused`` as a whole."""

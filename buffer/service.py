@@ -249,7 +249,7 @@ class BufferRole(Service):
         """How long the loop may wait for records: ``poll_ms``, cut to the state's next timer deadline (+1 ms, so
         the deadline has passed when the loop looks), or to the next re-read of an offset gap. A deadline already past (a due batch held back by
         ``max_batches_ahead``) does not shorten it: only the trainer's progress or new records change that."""
-        deadlines = [d for d in (self.state.next_deadline(), self.gaps.guard.next_retry()) if d is not None]
+        deadlines = [d for d in (self.state.next_deadline(), self.gaps.next_resume()) if d is not None]
         if not deadlines:
             return poll_ms
         left = min(deadlines) - time.monotonic()

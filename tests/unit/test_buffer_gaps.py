@@ -58,14 +58,13 @@ def test_the_first_reread_is_at_once_then_the_partition_waits_longer_each_time()
     guard = GapGuard(retry_min_s=0.01, retry_max_s=0.05)
     guard.start(0, 10)
     assert guard.check(0, 12, now=1.0) == "seek"
-    assert guard.hold_until(0) == 0.0 and guard.next_retry() is None  # the broker's race heals in milliseconds
+    assert guard.hold_until(0) == 0.0  # at once: the broker's race heals in milliseconds
     waits = []
     for t in (1.001, 2.0, 3.0, 4.0, 5.0):
         guard.check(0, 12, now=t)
         waits.append(round(guard.hold_until(0) - t, 6))
     assert waits == [0.01, 0.02, 0.04, 0.05, 0.05]
-    assert guard.next_retry() == pytest.approx(5.05)
-    assert guard.check(0, 10, now=5.1) == "ok" and guard.hold_until(0) == 0.0 and guard.next_retry() is None
+    assert guard.check(0, 10, now=5.1) == "ok" and guard.hold_until(0) == 0.0
 
 
 def test_a_gap_open_long_enough_is_failing_naming_partition_and_offset() -> None:
@@ -156,11 +155,11 @@ def test_a_gap_seeks_back_drops_the_rest_of_the_fetch_and_pauses_when_it_comes_b
     assert consumer.paused == set()  # read again at once
     r.new_fetch()
     assert not r.accept(consumer, 0, 13, now=1.01)  # still missing: now the partition waits before the next read
-    assert consumer.paused == {0} and r.waiting == {0}
+    assert consumer.paused == {0} and r.waiting == {0} and r.next_resume() == pytest.approx(1.02)
     r.resume_due(consumer, 1.015, paused=False)
     assert consumer.paused == {0}  # not due yet
     r.resume_due(consumer, 1.03, paused=True)  # due, but consumption is paused as a whole: the caller resumes
-    assert r.waiting == set() and consumer.paused == {0}
+    assert r.waiting == set() and consumer.paused == {0} and r.next_resume() is None
     r.new_fetch()
     assert not r.accept(consumer, 0, 13, now=1.04)
     r.resume_due(consumer, 2.0, paused=False)
@@ -244,3 +243,12 @@ def test_status_lists_each_buffers_health_from_its_file(tmp_path: Path) -> None:
     (tmp_path / "health-other.json").write_bytes(b"{not json")  # skipped, as a file being replaced would be
     [(bid, row)] = buffer_health(tmp_path).items()
     assert bid == "b0" and row["state"] == "failing" and row["gaps"] == [{"partition": 0, "offset": 7, "open_s": 2.0}]
+
+
+def test_a_bad_gap_bound_fails_at_start_up_naming_the_key() -> None:
+    from buffer.config import BufferConfig
+    from topics.errors import ConfigError
+
+    assert BufferConfig().offset_gap_fail_s == 10.0
+    with pytest.raises(ConfigError, match="buffer.offset_gap_fail_s"):
+        BufferConfig(offset_gap_fail_s=0)
