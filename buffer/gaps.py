@@ -133,7 +133,7 @@ class GapGuard:
             gap = self._open[partition] = Gap(partition, expected, now)
             self.counters["offset_gaps"] += 1
         else:  # the same gap again: wait before the next re-read, longer each time
-            gap.retry_at = now + min(self.retry_max_s, self.retry_min_s * 2 ** (gap.seeks - 1))
+            gap.retry_at = now + min(self.retry_max_s, self.retry_min_s * 2.0 ** min(gap.seeks - 1, 40))
         gap.seeks += 1
         self.counters["offset_gap_seeks"] += 1
         return "seek"

@@ -246,9 +246,10 @@ class BufferRole(Service):
             self._report()
 
     def _wait_ms(self, poll_ms: int) -> int:
-        """How long the loop may wait for records: ``poll_ms``, cut to the state's next timer deadline (+1 ms, so
-        the deadline has passed when the loop looks), or to the next re-read of an offset gap. A deadline already past (a due batch held back by
-        ``max_batches_ahead``) does not shorten it: only the trainer's progress or new records change that."""
+        """How long the loop may wait for records: ``poll_ms``, cut to the state's next timer deadline or a paused
+        partition's next re-read of its offset gap (+1 ms, so the deadline has passed when the loop looks). A
+        deadline already past (a due batch held back by ``max_batches_ahead``) does not shorten it: only the
+        trainer's progress or new records change that."""
         deadlines = [d for d in (self.state.next_deadline(), self.gaps.next_resume()) if d is not None]
         if not deadlines:
             return poll_ms

@@ -64,7 +64,10 @@ def test_the_first_reread_is_at_once_then_the_partition_waits_longer_each_time()
         guard.check(0, 12, now=t)
         waits.append(round(guard.hold_until(0) - t, 6))
     assert waits == [0.01, 0.02, 0.04, 0.05, 0.05]
-    assert guard.check(0, 10, now=5.1) == "ok" and guard.hold_until(0) == 0.0
+    for i in range(5000):  # a hole that never fills: re-read every retry_max_s for ever (no overflow)
+        guard.check(0, 12, now=6.0 + i)
+    assert guard.hold_until(0) == pytest.approx(6.0 + 4999 + 0.05)
+    assert guard.check(0, 10, now=6000.0) == "ok" and guard.hold_until(0) == 0.0
 
 
 def test_a_gap_open_long_enough_is_failing_naming_partition_and_offset() -> None:
