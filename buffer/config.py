@@ -49,6 +49,9 @@ class BufferConfig:
     fetch_min_bytes: int = 1  # the episodes consumer's fetch waits for this much (or kafka.fetch_max_wait_ms)
     recovery_skew_s: float = 10.0  # clock skew allowed between hosts when recovering (widens the scan)
     commit_interval_s: float = 0.2  # commit episode offsets at most this often (and on drain)
+    # an offset gap (records never received while later ones were, buffer/gaps.py) open this long turns the role's
+    # health to failing, naming the partition and offset; the buffer keeps re-reading and never commits past it
+    offset_gap_fail_s: float = 10.0
     # compression of the buffer's own records (batches, drops); empty = kafka.compression. Not lz4 by default:
     # aiokafka's lz4 is LZ4HC level 9, measured 7 MB/s on a Batch here (snappy 285 MB/s, zstd 71 MB/s).
     output_compression: Literal["", "none", "gzip", "lz4", "zstd", "snappy"] = "snappy"
@@ -86,6 +89,8 @@ class BufferConfig:
             raise ConfigError("buffer.output_batch_bytes", "must be at least 16384")
         if self.commit_interval_s < 0:
             raise ConfigError("buffer.commit_interval_s", "must be >= 0")
+        if self.offset_gap_fail_s <= 0:
+            raise ConfigError("buffer.offset_gap_fail_s", "must be positive")
         if self.reward_scale <= 0:
             raise ConfigError("buffer.reward_scale", "must be > 0")
         if self.reward_clip < 0:

@@ -29,8 +29,11 @@ Delivery and crash safety:
   ``consumers/ledger.py``; dead-lettered as ``already_trained``), so no episode is trained twice whatever a
   zombie publishes. Fencing the zombie before it publishes is not possible here: without transactions (Tansu has
   none) a generation check and the publish cannot be made atomic.
-* A record never received while later ones were (an offset gap) would be committed past: the buffer seeks back to
-  the gap and reads it again (``buffer/gaps.py``), and goes on past it only after ``GapGuard.wait_s`` (counted).
+* A record never received while later ones were (an offset gap: the embedded broker can serve a concurrent later
+  produce before an earlier one is written) is never committed past: each partition's commit is capped at its
+  first offset not received, and the buffer reads the partition again from the gap until the record arrives; a gap
+  open ``offset_gap_fail_s`` turns the role's health to failing, naming partition and offset (``health()``, the
+  log, ``<run_dir>/health-<buffer_id>.json``), while it keeps re-reading and holding the commit (``buffer/gaps.py``).
 * On a rebalance the revoked partitions' in-flight publishes finish (the revoke callback waits for the loop's
   lock) before their state is dropped, so the new owner's recovery scan sees them.
 
@@ -57,13 +60,14 @@ import math
 import os
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from aiokafka.abc import ConsumerRebalanceListener
 from opentelemetry import trace
 
 from buffer.config import BufferConfig
-from buffer.gaps import GapGuard
+from buffer.gaps import GapGuard, GapReader
 from buffer.pace import TrainerPace
 from buffer.policies import Reason
 from buffer.recovery import committed_since_ms, highwaters, read_decided
@@ -121,8 +125,12 @@ class BufferRole(Service):
         self.pace = TrainerPace()  # the trainer's published versions and progress (buffer/pace.py)
         self._batch_hw: dict[int, int] = {}  # batches-topic high-water marks known from our acks
         self.counters: dict[str, int] = {"dead_lettered": 0, "pauses": 0, "commits": 0, "commit_failures": 0,
-                                         "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0}
-        self.gaps = GapGuard(counters=self.counters)  # offsets never received are read again (buffer/gaps.py)
+                                         "rebalances": 0, "recovered_ids": 0, "discarded_after_revoke": 0,
+                                         "discarded_before_assign": 0}
+        # offsets never received are read again, never committed past (buffer/gaps.py)
+        self.gaps = GapReader(GapGuard(fail_after_s=cfg.offset_gap_fail_s, counters=self.counters),
+                              topic=self.names.episodes, buffer_id=self.buffer_id,
+                              health_path=Path(ctx.run_dir) / f"health-{self.buffer_id}.json")
         self._lock = asyncio.Lock()  # one loop iteration, or one rebalance step, at a time
         self._epoch = 0  # bumped on every revoke: records fetched before it are discarded
         self._committed: dict[int, int] = {}
@@ -167,6 +175,7 @@ class BufferRole(Service):
                                  client_id=f"buffer-{self.buffer_id}", listener=_Rebalance(self),
                                  fetch_min_bytes=self.cfg.fetch_min_bytes)
         await self.consumer.start()
+        self.gaps.check_health(time.monotonic())  # healthy: the health file says so from the start
         log.info("buffer %s started (latest policy version %s)", self.buffer_id, self.pace.latest_version)
 
     async def _stop(self) -> None:
@@ -227,6 +236,9 @@ class BufferRole(Service):
                 if self._draining:
                     continue
                 await self._handle(records, epoch)
+                now = time.monotonic()
+                self.gaps.resume_due(self.consumer, now, paused=self._paused)
+                self.gaps.check_health(now)
                 await self._decide(final=False)
                 await self._settle(wait=False)
                 await self._commit()
@@ -234,13 +246,14 @@ class BufferRole(Service):
             self._report()
 
     def _wait_ms(self, poll_ms: int) -> int:
-        """How long the loop may wait for records: ``poll_ms``, cut to the state's next timer deadline (+1 ms, so
-        the deadline has passed when the loop looks). A deadline already past (a due batch held back by
-        ``max_batches_ahead``) does not shorten it: only the trainer's progress or new records change that."""
-        deadline = self.state.next_deadline()
-        if deadline is None:
+        """How long the loop may wait for records: ``poll_ms``, cut to the state's next timer deadline or a paused
+        partition's next re-read of its offset gap (+1 ms, so the deadline has passed when the loop looks). A
+        deadline already past (a due batch held back by ``max_batches_ahead``) does not shorten it: only the
+        trainer's progress or new records change that."""
+        deadlines = [d for d in (self.state.next_deadline(), self.gaps.next_resume()) if d is not None]
+        if not deadlines:
             return poll_ms
-        left = deadline - time.monotonic()
+        left = min(deadlines) - time.monotonic()
         return poll_ms if left <= 0 else min(poll_ms, math.ceil(left * 1000) + 1)
 
     async def _policy_loop(self) -> None:
@@ -296,24 +309,13 @@ class BufferRole(Service):
             return
         assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.names.episodes}
         now = time.monotonic()
-        rewound: set[int] = set()
+        self.gaps.new_fetch()
         for rec in records:
             if epoch != self._epoch or rec.partition not in assigned:
                 self.counters["discarded_after_revoke"] += 1  # refetched by whoever owns it now
                 continue
-            if rec.partition in rewound:
-                continue  # fetched again from the gap
-            part = self.state.parts.get(rec.partition)
-            expected = part.next_offset if part is not None and part.next_offset > 0 else None
-            verdict = self.gaps.check(rec.partition, rec.offset, expected, now)
-            if verdict == "seek":
-                assert expected is not None
-                self.consumer.seek(TopicPartition(self.names.episodes, rec.partition), expected)
-                rewound.add(rec.partition)
-                continue
-            if verdict == "skip":
-                log.warning("buffer %s: episodes partition %d: offsets %d-%d never arrived in %.0f s; going on past "
-                            "them", self.buffer_id, rec.partition, expected, rec.offset - 1, self.gaps.wait_s)
+            if not self.gaps.accept(self.consumer, rec.partition, rec.offset, now):
+                continue  # received before, or beyond a gap: read again from the gap (buffer/gaps.py)
             if rec.error is not None or rec.value is None:
                 await self.dead.send(rec)
                 self.counters["dead_lettered"] += 1
@@ -406,8 +408,10 @@ class BufferRole(Service):
             return
         self._last_commit = now
         assigned = {tp.partition for tp in self.consumer.assignment() if tp.topic == self.names.episodes}
-        offsets = {TopicPartition(self.names.episodes, p): off for p, off in self.state.committable().items()
-                   if p in assigned and self._committed.get(p) != off}
+        committable = {p: self.gaps.guard.limit(p, off)  # never past an offset not received (buffer/gaps.py)
+                       for p, off in self.state.committable().items() if p in assigned}
+        offsets = {TopicPartition(self.names.episodes, p): off for p, off in committable.items()
+                   if self._committed.get(p) != off}
         if not offsets:
             return
         try:
@@ -431,7 +435,9 @@ class BufferRole(Service):
                 self.counters["pauses"] += 1
                 log.info("buffer %s: %d episodes held, pausing consumption", self.buffer_id, self.state.held)
         elif self._paused and not self._draining:
-            self.consumer.resume()
+            tps = [tp for tp in self.consumer.assignment() if tp.partition not in self.gaps.waiting]
+            if tps:  # a partition waiting for its gap's next re-read stays paused until then
+                self.consumer.resume(*tps)
         self._paused = over
 
     # -- rebalance ----------------------------------------------------------------------------
@@ -459,6 +465,7 @@ class BufferRole(Service):
         assert self.consumer is not None
         async with self._lock:
             committed = {tp: await self.consumer.committed(tp) for tp in tps}
+            await self.gaps.start(self.consumer, committed)  # where each partition's first record is expected
             since = await committed_since_ms(self.ctx.kafka, committed, self.cfg.recovery_skew_s)
             if since is None:
                 log.info("buffer %s: assigned %s; nothing to recover (no record at the committed offsets)",
@@ -474,6 +481,11 @@ class BufferRole(Service):
                      self.buffer_id, sorted(tp.partition for tp in tps), n, found.records_read)
 
     # -- accounting ---------------------------------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """``state`` "ok", or "failing" while an offset gap has been open ``offset_gap_fail_s``; ``reason`` and
+        ``gaps`` name each such partition and offset (``buffer/gaps.py``)."""
+        return self.gaps.health(time.monotonic())
+
     def all_counters(self) -> dict[str, int]:
         out = {**self.state.counters, **self.counters}
         out["held"] = self.state.held
@@ -481,11 +493,15 @@ class BufferRole(Service):
 
     def _report(self, *, force: bool = False) -> None:
         now = time.monotonic()
-        if record_metric is None or (not force and now - self._last_report < REPORT_EVERY_S):
+        if not force and now - self._last_report < REPORT_EVERY_S:
             return
         self._last_report = now
+        self.gaps.check_health(now, again=True)  # a failing health is said again at every report
+        if record_metric is None:
+            return
         for key, value in self.all_counters().items():
             record_metric(f"buffer/{key}", value, "max")
+        record_metric("buffer/health_failing", 1.0 if self.gaps.failing else 0.0, "max")
         if flush_metrics is not None:
             self._reports += 1
             flush_metrics(self._reports)

@@ -3,12 +3,15 @@
 ``services`` lists every service's replicas from the services bucket (``runtime/services.py``): kind, address,
 load against capacity, state (serving or draining), the age of its last beat and whether that makes it healthy.
 ``evaluator``: the last row of ``<run_dir>/eval.jsonl`` and how many versions were evaluated (absent without one).
+``buffers``: each buffer's health from ``<run_dir>/health-<buffer_id>.json`` (``buffer/gaps.py``): ``state`` ("ok" or
+"failing": an offset gap it cannot read past, named in ``reason`` and ``gaps``), ``updated_at`` (absent without any).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -99,10 +102,26 @@ def eval_status(run_dir: Any) -> dict[str, Any] | None:
     return {"evaluations": len(rows), "last": rows[-1]} if rows else None
 
 
+def buffer_health(run_dir: Any) -> dict[str, Any] | None:
+    """``{buffer_id: {state, reason, gaps, updated_at}}`` from the buffers' health files; None without any."""
+    out: dict[str, Any] = {}
+    for path in sorted(Path(run_dir).glob("health-*.json")):
+        try:
+            row = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            continue  # being replaced, or not one of ours
+        if isinstance(row, dict) and row.get("role") == "buffer":
+            out[str(row.get("id", path.stem.removeprefix("health-")))] = {
+                k: row.get(k) for k in ("state", "reason", "gaps", "updated_at")}
+    return out or None
+
+
 async def status(config: Any, *, interval_s: float = 1.0) -> dict[str, Any]:
     policy, topics = await asyncio.gather(nats_status(config, listen_s=max(interval_s, 2.5)),
                                           kafka_status(config, interval_s=interval_s))
     out = {"policy": policy, "services": policy.pop("services"), "topics": topics}
     if (evaluator := eval_status(config.run_dir)) is not None:
         out["evaluator"] = evaluator
+    if (buffers := buffer_health(config.run_dir)) is not None:
+        out["buffers"] = buffers
     return out

@@ -383,6 +383,14 @@ class Consumer:
                 delay *= 2
         raise AssertionError("unreachable")
 
+    async def beginning_offsets(self, tps: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """The first offset still in the log of each of ``tps`` (where ``auto_offset_reset="earliest"`` starts).
+        Raises ``BrokerError`` (retriable)."""
+        try:
+            return dict(await self._consumer.beginning_offsets(tps))
+        except KafkaError as exc:
+            raise BrokerError(f"log start of {sorted(map(str, tps))} failed: {exc}", retriable=True) from exc
+
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
 
