@@ -53,8 +53,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STALENESS = {"sync": 0, "async": 4, "unbounded": -1}
 _ASSIGNED = re.compile(r"assigned \[([0-9, ]*)\];")
 _TICK = os.sysconf("SC_CLK_TCK")
-AUDIT_KEYS = ("produced", "batched", "batches", "dropped", "pending", "lost", "batched_and_dropped", "in_two_batches",
-              "trained_steps", "trained", "trained_twice", "stale_batches", "stale_fraction", "reconciles")
+AUDIT_KEYS = ("produced", "duplicate_records", "batched", "batches", "dropped", "pending", "lost",
+              "batched_and_dropped", "in_two_batches", "trained_steps", "trained", "trained_twice", "stale_batches", "stale_fraction", "reconciles")
 
 
 @dataclass(kw_only=True)
@@ -265,6 +265,8 @@ async def run_fleet(run: FleetRun, workdir: Path) -> dict[str, Any]:
                     "stats": str(workdir / f"gen{p}.stats")}
             gens.append(await _start_child("bench.sim.generators", spec, workdir, f"gen{p}"))
         procs += gens
+        for g in gens:  # every process is in the generators group: generate
+            g.send_signal(signal.SIGUSR1)
         roles = {"broker": brokers._procs["tansu"].pid, "nats": brokers._procs["nats"].pid,
                  "trainer": trainer.pid, "feeder": feeder.pid, **{f"buffer{i}": b.pid for i, b in enumerate(buffers)},
                  **{f"gen{i}": g.pid for i, g in enumerate(gens)}}

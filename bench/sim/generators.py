@@ -17,7 +17,9 @@ or ``bench/sim/perf.EngineSpeed``): decoding with continuous batching at a rate 
 their context, a new prompt's prefill and a weight swap as pauses. An Episode carries one token per
 ``token_scale`` simulated ones (its versions in proportion), so a long-context run fits the host's brokers.
 
-Runs until SIGTERM, then writes its counters to the spec's ``stats`` path and exits.
+Prints ``ready`` once its feed is in the ``generators`` group, starts generating on SIGUSR1 (the fleet sends it
+once every process is ready: the group is stable), runs until SIGTERM, then writes its counters to the spec's
+``stats`` path and exits.
 """
 
 from __future__ import annotations
@@ -375,16 +377,20 @@ class Fleet:
             self.refunds = FleetRefunds(self)
             await self.refunds.start()
             loops.append(self.refunds.loop())
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+        go = asyncio.Event()  # SIGUSR1: every process of the fleet is in the group, which is stable
+        loop.add_signal_handler(signal.SIGUSR1, go.set)
+        async with asyncio.timeout(120):  # the group's first assignment (a Tansu join takes 3-5 s)
+            await self.feed.assigned.wait()
+        print("ready", flush=True)
+        async with asyncio.timeout(300):
+            await go.wait()  # taking prompts before the last member joined would see them handed out again
         for g in self.gens:
             loops += [g.decoder(), g.swapper(), g.intake()]
         tasks = [asyncio.ensure_future(c) for c in loops]
         for t in tasks:
             t.add_done_callback(lambda t: t.cancelled() or self.stop.set())
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self.stop.set)
-        async with asyncio.timeout(120):  # the group's first assignment (a Tansu join takes 3-5 s)
-            await self.feed.assigned.wait()
-        print("ready", flush=True)
         t0, cpu0 = time.monotonic(), time.process_time()
         await self.stop.wait()
         wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
