@@ -43,11 +43,25 @@ between two processes at about the same cost each, so the bound grows with the p
 (``max_generators_one_broker_core``: Tansu per core). On a small host the simulated generators' own CPU may cap the
 offered load before any of these; the per-process CPU per real second shows which.
 
-Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--measure-s S] [--warmup-s S] [--processes P]
-[--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench": "scale",
-"generators": [..], "async_vs_sync": X, "trainer_busy_async": Y, "trainer_busy_sync": Z,
-"max_generators_one_buffer": N, "buffer_us_per_episode": U}`` (the first three at 64 generators; goals:
-``async_vs_sync >= 2.5``, ``trainer_busy_async >= 0.95``).
+Prompts come from the real feeder (``streamforge run feeder``) through the ``prompts`` topic: each generator process
+is one member of the ``generators`` group and commits a prompt once its group is on the broker
+(``bench/sim/prompts.py``), so the audit's reconcile covers them. ``--runs K`` repeats every mode and size on
+fresh brokers; each run's output carries the buffer's offset-gap counters (``gaps``).
+
+Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--runs K] [--measure-s S] [--warmup-s S]
+[--processes P] [--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench":
+"scale", "generators": [..], "async_vs_sync": X, "trainer_busy_async": Y, "trainer_busy_sync": Z,
+"max_generators_one_buffer": N, "buffer_us_per_episode": U, "lost": L, "offset_gaps": G, "runs": R}`` (the first
+three at 64 generators, the median run of each mode; goals: ``async_vs_sync >= 2.5``, ``trainer_busy_async >=
+0.95``; ``lost``: episodes and prompts the audits found lost, summed over every run; ``offset_gaps`` summed).
+
+A preset instead (``bench/sim/presetrun.py``, ``bench/sim/perf.py``): ``python bench/scale.py --params
+bench/sim/presets/areal-1.5b.yaml [--scale 8] [--steps 8] [--token-scale 16] [--time-scale 20] [--runs K]
+[--eta 0 1 2 4 8 16 inf] [--param KEY=VALUE ...]`` runs a published run's setting (every parameter from the YAML,
+every speed derived by the stated model) through the same pipeline, colocated sync against AReaL's async split,
+the batch and the fleet scaled down together. Last line: ``preset``, ``paper_async_vs_sync``,
+``sim_async_vs_sync``, ``sync_s_per_step``, ``async_s_per_step``, ``trainer_busy_async``, ``lost`` and more
+(``bench/sim/presetrun.py`` lists them).
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ class StepLog:
     def summary(self, skip: int) -> dict[str, float]:
         per = self.s_per_step(skip)
         n = len(self.ends) - skip - 1
-        tokens = sum(self.tokens[skip + 1:])
-        busy = sum(self.train_s[skip + 1:])
+        done = len(self.ends)  # a step started but not finished has its tokens and time logged already
+        tokens = sum(self.tokens[skip + 1:done])
+        busy = sum(self.train_s[skip + 1:done])
         return {"s_per_step": round(per, 2), "tokens_per_s": round(tokens / (per * n), 1),
                 "trainer_busy": round(busy / (per * n), 3), "steps": len(self.ends),
                 "staleness_mean": round(float(np.mean(self.staleness)), 3) if self.staleness else 0.0}

@@ -68,7 +68,7 @@ async def preset_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for eta in args.eta:
         bound = -1 if eta == "inf" else int(eta)
         result = await run_fleet(_run(eta_scaled, "async", args, bound), workdir / f"eta{eta}")
-        result.update(run=0, label=f"eta{eta}")
+        result.update(run=0, label=f"curve-eta{eta}")
         etas[eta] = result
         print(json.dumps(result), flush=True)
     return {"full": full, "params": params, "runs": runs, "etas": etas}
