@@ -43,11 +43,25 @@ between two processes at about the same cost each, so the bound grows with the p
 (``max_generators_one_broker_core``: Tansu per core). On a small host the simulated generators' own CPU may cap the
 offered load before any of these; the per-process CPU per real second shows which.
 
-Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--measure-s S] [--warmup-s S] [--processes P]
-[--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench": "scale",
-"generators": [..], "async_vs_sync": X, "trainer_busy_async": Y, "trainer_busy_sync": Z,
-"max_generators_one_buffer": N, "buffer_us_per_episode": U}`` (the first three at 64 generators; goals:
-``async_vs_sync >= 2.5``, ``trainer_busy_async >= 0.95``).
+Prompts come from the real feeder (``streamforge run feeder``) through the ``prompts`` topic: each generator process
+is one member of the ``generators`` group and commits a prompt once its group is on the broker
+(``bench/sim/prompts.py``), so the audit's reconcile covers them. ``--runs K`` repeats every mode and size on
+fresh brokers; each run's output carries the buffer's offset-gap counters (``gaps``).
+
+Usage: ``python bench/scale.py [--quick] [--generators 4 16 64 256] [--runs K] [--measure-s S] [--warmup-s S]
+[--processes P] [--time-scale K] [--set SECTION.KEY=VALUE ...] [--model KEY=VALUE ...]``. Last line: ``{"bench":
+"scale", "generators": [..], "async_vs_sync": X, "trainer_busy_async": Y, "trainer_busy_sync": Z,
+"max_generators_one_buffer": N, "buffer_us_per_episode": U, "lost": L, "offset_gaps": G, "runs": R}`` (the first
+three at 64 generators, the median run of each mode; goals: ``async_vs_sync >= 2.5``, ``trainer_busy_async >=
+0.95``; ``lost``: episodes and prompts the audits found lost, summed over every run; ``offset_gaps`` summed).
+
+A preset instead (``bench/sim/presetrun.py``, ``bench/sim/perf.py``): ``python bench/scale.py --params
+bench/sim/presets/areal-1.5b.yaml [--scale 8] [--steps 8] [--token-scale 16] [--time-scale 20] [--runs K]
+[--eta 0 1 2 4 8 16 inf] [--param KEY=VALUE ...]`` runs a published run's setting (every parameter from the YAML,
+every speed derived by the stated model) through the same pipeline, colocated sync against AReaL's async split,
+the batch and the fleet scaled down together. Last line: ``preset``, ``paper_async_vs_sync``,
+``sim_async_vs_sync``, ``sync_s_per_step``, ``async_s_per_step``, ``trainer_busy_async``, ``lost`` and more
+(``bench/sim/presetrun.py`` lists them).
 """
 
 from __future__ import annotations
@@ -63,8 +77,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.sim.fleet import FleetRun, run_fleet
+from bench.sim.fleet import FleetRun, lost, run_fleet
 from bench.sim.model import FleetModel
+from bench.sim.presetrun import add_arguments, preset_report, preset_sweep
 
 
 def _model(pairs: list[str], time_scale: float) -> FleetModel:
@@ -80,7 +95,7 @@ def _line(result: dict) -> str:
     keys = ("mode", "generators", "buffers", "trained_tokens_per_sim_s", "trainer_busy", "staleness_mean",
             "staleness_max", "episodes_decided_per_real_s", "buffer_us_per_episode", "broker_us_per_episode",
             "generator_gpu_utilization", "cpu_per_real_s", "audit")
-    return json.dumps({k: result.get(k) for k in keys})
+    return json.dumps({k: result.get(k) for k in keys} | {"run": result.get("run", 0)})
 
 
 async def sweep(args: argparse.Namespace) -> dict:
@@ -89,12 +104,14 @@ async def sweep(args: argparse.Namespace) -> dict:
     base = FleetRun(generators=0, model=model, processes=args.processes, groups_per_batch=args.groups_per_batch,
                     warmup_s=args.warmup_s, measure_s=args.measure_s, seed=args.seed,
                     overrides=[f"--{s}" for s in args.set])
-    runs: dict[tuple[str, int], dict] = {}
+    runs: dict[tuple[str, int], list[dict]] = {}
     for i, n in enumerate(args.generators):
-        for mode in (("sync", "async") if i % 2 == 0 else ("async", "sync")):
-            result = await run_fleet(replace(base, generators=n, mode=mode), workdir / f"{mode}{n}")
-            runs[(mode, n)] = result
-            print(json.dumps(result), flush=True)
+        for r in range(args.runs):
+            for mode in (("sync", "async") if (i + r) % 2 == 0 else ("async", "sync")):
+                result = await run_fleet(replace(base, generators=n, mode=mode), workdir / f"{mode}{n}-{r}")
+                result["run"] = r
+                runs.setdefault((mode, n), []).append(result)
+                print(json.dumps(result), flush=True)
     levers = []
     at = 64 if 64 in args.generators else max(args.generators)
     for lever in args.lever:
@@ -117,14 +134,24 @@ async def sweep(args: argparse.Namespace) -> dict:
     return {"runs": runs, "capacity": capacity, "levers": levers, "model": model}
 
 
+def _median_run(results: list[dict]) -> dict:
+    """The run of median trained-token rate among a mode's runs."""
+    ordered = sorted(results, key=lambda r: r["trained_tokens_per_sim_s"])
+    return ordered[len(ordered) // 2]
+
+
 def report(out: dict, generators: list[int]) -> dict:
-    runs, capacity, model = out["runs"], out["capacity"], out["model"]
+    capacity, model = out["capacity"], out["model"]
+    every = [r for results in out["runs"].values() for r in results] + out["levers"] + capacity
+    runs = {key: _median_run(results) for key, results in out["runs"].items()}
     at = 64 if 64 in generators else max(generators)
     sync, asyn = runs[("sync", at)], runs[("async", at)]
     per_gen = model.episodes_per_s_per_generator()
     summary: dict = {"at_generators": at, "episodes_per_s_per_generator": round(per_gen, 3),
                      "mean_response_tokens": round(model.mean_response_length(), 1),
-                     "table": [_line(r) for r in runs.values()]}
+                     "table": [_line(r) for results in out["runs"].values() for r in results],
+                     "gaps": [{"mode": r["mode"], "generators": r["generators"], "run": r.get("run", 0),
+                               "lost": lost(r), **r["gaps"]} for results in out["runs"].values() for r in results]}
     summary["levers"] = [{"set": r["lever"], "trainer_busy": r["trainer_busy"],
                           "trained_tokens_per_sim_s": r["trained_tokens_per_sim_s"],
                           "vs_sync": round(r["trained_tokens_per_sim_s"] / max(sync["trained_tokens_per_sim_s"], 1e-9), 3),
@@ -148,6 +175,8 @@ def report(out: dict, generators: list[int]) -> dict:
         "trainer_busy_async": asyn["trainer_busy"], "trainer_busy_sync": sync["trainer_busy"],
         "max_generators_one_buffer": math.floor(1e6 / u / per_gen) if u else None,
         "buffer_us_per_episode": u,
+        "lost": sum(lost(r) for r in every), "offset_gaps": sum(r["gaps"].get("offset_gaps", 0) for r in every),
+        "runs": len(every),
     }
     return summary
 
@@ -158,7 +187,9 @@ def main() -> None:
     parser.add_argument("--generators", type=int, nargs="+", default=[4, 16, 64, 256])
     parser.add_argument("--processes", type=int, default=2, help="generator processes")
     parser.add_argument("--groups-per-batch", type=int, default=64)
-    parser.add_argument("--time-scale", type=float, default=10.0, help="simulated seconds per real second")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="simulated seconds per real second (default 10; 20 with --params)")
+    parser.add_argument("--runs", type=int, default=1, help="runs of each mode and size, fresh brokers each")
     parser.add_argument("--warmup-s", type=float, default=6.0, help="real seconds before each window")
     parser.add_argument("--measure-s", type=float, default=30.0, help="real seconds measured per run")
     parser.add_argument("--capacity-generators", type=int, default=64, help="0: no buffer-capacity runs")
@@ -172,7 +203,15 @@ def main() -> None:
                         help="a FleetModel field (bench/sim/model.py), e.g. length_cap=8192")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="a run-config override for every run, e.g. buffer.groups_per_batch=32")
+    add_arguments(parser)
     args = parser.parse_args()
+    if args.params:
+        args.time_scale = args.time_scale or 20.0
+        summary, final = preset_report(asyncio.run(preset_sweep(args)), args)
+        print(json.dumps(summary))
+        print(json.dumps(final))
+        return
+    args.time_scale = args.time_scale or 10.0
     if args.lever is None:
         args.lever = ["generator.quota_window_steps=3", "staleness.max_versions=8"]
     if args.quick:

@@ -49,13 +49,33 @@ class FleetModel:
     time_scale: float = 10.0  # simulated seconds per real second
     vocab: int = 32000
 
-    @property
-    def swap_s(self) -> float:
+    # the interface bench/sim/perf.EngineSpeed shares (the simulated generators and trainer use either)
+    token_scale = 1  # an Episode carries every simulated token
+    refresh_s = math.inf  # a sequence's rate does not depend on its context
+
+    def swap_s(self, contexts: list[float] = ()) -> float:
+        """A weight swap's pause (the running sequences keep their KV)."""
         return self.model_gb / self.bandwidth_gb_s
 
-    def rate(self, running: int) -> float:
+    def prefill_s(self, prompt_tokens: int) -> float:
+        return 0.0
+
+    def rate(self, running: int, context: float = 0.0) -> float:
         """Tokens per simulated second of each of ``running`` sequences."""
         return min(self.seq_tokens_per_s, self.tokens_per_s / max(1, running))
+
+    @property
+    def cap(self) -> int:
+        return self.length_cap
+
+    def lengths(self, key: int) -> tuple[int, np.ndarray]:
+        """Prompt ``key``'s prompt tokens and its ``group_size`` response lengths (a function of the key)."""
+        rng = np.random.default_rng([7, key])
+        prompt = int(rng.integers(self.prompt_min, self.prompt_max + 1))
+        return prompt, np.array([self.response_length(rng) for _ in range(self.group_size)], dtype=np.int64)
+
+    def train_s(self, seq_lens: np.ndarray) -> float:
+        return float(np.sum(seq_lens)) / self.trainer_tokens_per_s
 
     def response_length(self, rng: np.random.Generator) -> int:
         n = round(rng.lognormal(math.log(self.length_median), self.length_sigma))

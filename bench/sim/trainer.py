@@ -3,8 +3,8 @@
 It is the trainer role without its GPU: it reads every partition of ``batches`` from offset 0 through
 ``consumers/source.RecordSource`` (undecodable records dead-lettered there), refuses a batch with a token more than
 ``staleness.max_versions`` versions behind its version (dead-lettered with reason ``stale``, as
-``consumers/trainer.py``), "trains" a batch by sleeping ``tokens / trainer_tokens_per_s`` simulated seconds
-(``bench/sim/model.py``), appends the step to the real ledger (``consumers/ledger.Ledger``, which the audit reads),
+``consumers/trainer.py``), "trains" a batch by sleeping the simulated GPU's step time for its sequences
+(``bench/sim/model.py``: tokens over a rate; ``bench/sim/perf.py``: the FLOPs over the training GPUs), appends the step to the real ledger (``consumers/ledger.Ledger``, which the audit reads),
 publishes a ``PolicyVersion`` after every step through ``weightsync/policy_kv.PolicyKV`` (compare-and-set of the
 KV ``latest`` key, which also notifies ``names.policy_subject``) and writes its ``TrainerProgress`` (steps and
 records consumed: the buffers' and generators' bounds read it).
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from bench.sim.model import FleetModel
+from bench.sim.generators import speed_of
 from consumers.ledger import STALE, Ledger
 from consumers.source import RecordSource
 from streamforge.config import load_config
@@ -44,7 +44,7 @@ class SimTrainer:
     def __init__(self, spec: dict) -> None:
         self.spec = spec
         self.cfg = load_config(spec["config"], environ={})
-        self.model = FleetModel(**spec["model"])
+        self.model = speed_of(spec)
         s = self.cfg.staleness.max_versions
         self.max_staleness = s if s >= 0 else None
         self.wait_rounds = self.cfg.trainer.publish_busy == "wait"
@@ -117,13 +117,14 @@ class SimTrainer:
                 continue
             tokens = int(batch.seq_lens.sum())
             t0 = time.time()
-            await asyncio.sleep(tokens / self.model.trainer_tokens_per_s / self.model.time_scale)
+            await asyncio.sleep(self.model.train_s(batch.seq_lens) / self.model.time_scale)
             self.step += 1
             self.groups += len(set(batch.group_ids))
             self.source.advance(rec)
             self.ledger.record(step=self.step, policy_version=self.version, batch_ids=[batch.batch_id],
                                episode_ids=batch.episode_ids)
-            self.steps.append([t0, time.time(), tokens, len(batch.episode_ids), self.version])
+            self.steps.append([t0, time.time(), tokens * self.model.token_scale, len(batch.episode_ids),
+                               self.version])
             values, counts = np.unique(behind, return_counts=True)
             for v, c in zip(values.tolist(), counts.tolist()):
                 self.staleness[int(v)] += int(c)
@@ -143,7 +144,7 @@ class SimTrainer:
         pv = PolicyVersion(version=self.version, step=self.step, transport="none", trainer_id="simtrainer")
         await self.kv.store_version(pv)
         self.publications.append([time.time(), self.version, self.step])
-        self.round = asyncio.ensure_future(asyncio.sleep(self.model.swap_s / self.model.time_scale))
+        self.round = asyncio.ensure_future(asyncio.sleep(self.model.swap_s([]) / self.model.time_scale))
         if self.wait_rounds:
             await self.round
 
