@@ -28,6 +28,7 @@ generate, the rest train) at the preset's ``staleness``, with at most ``max_infl
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
 import re
@@ -418,7 +419,7 @@ def summarize_steps(run: FleetRun, gens: list[dict], trainer: dict, audit: dict 
         "mode": run.mode, "staleness_bound": run.bound, "engines": run.engines, "train_gpus": run.train_gpus,
         "time_scale": k, "token_scale": run.token_scale, "steps": len(steps), "measured_steps": len(measured) - 1,
         "s_per_step": round((t1 - t0) * k / (len(measured) - 1), 2),
-        "step_intervals_s": [round((b[1] - a[1]) * k, 1) for a, b in zip(measured, measured[1:])],
+        "step_intervals_s": [round((b[1] - a[1]) * k, 1) for a, b in itertools.pairwise(measured)],
         "trained_tokens_per_sim_s": round(tokens / ((t1 - t0) * k), 1),
         "trainer_busy": round(busy / (t1 - t0), 3),
         "versions_published": len(trainer["publications"]), "stale_batches": trainer["stale_batches"],

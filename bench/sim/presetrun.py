@@ -23,6 +23,7 @@ Last line: ``preset``, ``paper_async_vs_sync``, ``sim_async_vs_sync``, ``sync_s_
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import tempfile
 from dataclasses import replace
@@ -121,7 +122,7 @@ def preset_report(out: dict[str, Any], args: argparse.Namespace) -> tuple[dict, 
         final["eta"] = {eta: {"paper_k_tokens_s": paper.get(eta), "sim_k_tokens_s": v,
                               "sim_vs_eta0": round(v / base, 3) if base else None} for eta, v in sim.items()}
         values = [sim[e] for e in args.eta]
-        final["eta_monotone"] = all(b >= a * 0.98 for a, b in zip(values, values[1:]))
+        final["eta_monotone"] = all(b >= a * 0.98 for a, b in itertools.pairwise(values))
         if args.eta_model:
             model = eta_curve(_eta_params(full), [-1 if e == "inf" else int(e) for e in args.eta])
             summary["model_eta_k_tokens_s"] = {e: round(v / 1000, 1) for e, v in model.items()}
