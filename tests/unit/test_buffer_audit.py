@@ -1,8 +1,9 @@
-"""The audit's reconciliation as a pure function, and the ledger reader (no broker)."""
+"""The audit's reconciliation as a pure function (the episodes' and the prompts'), and the ledger reader (no
+broker)."""
 
 from __future__ import annotations
 
-from streamforge.audit import read_ledger, reconcile
+from streamforge.audit import local_prompts, read_ledger, reconcile, reconcile_prompts, with_prompts
 
 
 def ledger(*steps):
@@ -90,7 +91,6 @@ def test_trained_episodes_window_and_rebuild_from_ledger(tmp_path):
 
 
 # -- the prompts (reconcile_prompts) ----------------------------------------------------------------------------
-from streamforge.audit import local_prompts, reconcile_prompts, with_prompts  # noqa: E402
 
 
 def test_every_consumed_prompt_has_one_outcome_and_a_silent_commit_is_lost():
