@@ -1,8 +1,9 @@
-"""``streamforge audit``: reconcile what was produced with what was batched, dropped and trained.
+"""``streamforge audit``: reconcile the prompts consumed and episodes produced with what was batched, dropped, trained.
 
-Sources: the ``episodes``, ``batches``, ``drops`` and ``dead-letter`` topics of the run (read whole, from offset
-0 to the high-water marks) and the trainer's ledger ``<run_dir>/trainer/ledger.jsonl`` (one line per optimizer
-step: ``{"step", "policy_version", "batch_ids", "time"}``).
+Sources: the ``prompts``, ``episodes``, ``batches``, ``drops``, ``unanswered`` and ``dead-letter`` topics of the run
+(read whole, from offset 0 to the high-water marks), the generators' and the buffers' committed offsets, and the
+trainer's ledger ``<run_dir>/trainer/ledger.jsonl`` (one line per optimizer step: ``{"step", "policy_version",
+"batch_ids", "time"}``).
 
 Everything is counted in distinct episode ids (delivery is at-least-once, so a record may repeat):
 
@@ -334,7 +335,7 @@ async def _audit_prompts(config: Any, episodes: list[Any], dead: list[Any]) -> d
     prompts = await read_topic(kafka, names.prompts, expect=Prompt)
     committed = await group_offsets(kafka, names.generators_group, names.prompts)
     unanswered: list[Any] = []
-    if (await describe_topics(kafka, [names.unanswered]))[names.unanswered]["partitions"]:  # (absent in old logs)
+    if (await describe_topics(kafka, [names.unanswered])).get(names.unanswered, {}).get("partitions"):  # old logs lack it
         unanswered = await read_topic(kafka, names.unanswered, expect=UnansweredPrompt)
     return reconcile_prompts(
         ((r.partition, r.offset, r.value.prompt_id if r.value is not None else None) for r in prompts),

@@ -100,3 +100,24 @@ async def test_audit_cli_fails_on_a_prompt_committed_without_an_answer(run_confi
     prompts = audit["prompts"]
     assert prompts["consumed"] == 2 and prompts["answered"] == 1 and prompts["pending"] == 1
     assert prompts["samples"]["lost"] == [{"partition": 0, "offset": metas[1].offset, "prompt_id": "silent"}]
+
+
+async def test_a_log_without_the_unanswered_topic_is_audited(run_config):
+    """A run recorded before the ``unanswered`` topic existed (reopened with ``--run-dir``): no reasons, no error."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from streamforge.audit import run_audit
+    from topics.kafka import client_kwargs
+
+    cfg = run_config
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg.kafka, client_id="test-admin"))
+    await admin.start()
+    try:
+        await admin.delete_topics([cfg.names.unanswered])
+    finally:
+        await admin.close()
+    async with Producer(cfg.kafka) as producer:
+        await producer.send(cfg.names.prompts, Prompt(prompt_id="only", task="t", text="x"), key="only")
+    audit = await run_audit(cfg)
+    assert audit["prompts"]["records"] == 1 and audit["prompts"]["pending"] == 1  # nothing committed: pending
+    assert audit["prompts"]["unanswered_by_reason"] == {} and audit["lost"] == 0 and audit["reconciles"]
