@@ -8,7 +8,8 @@
   source in-process (``"local"``), under backpressure, with offsets committed only once a prompt's Episodes are
   on the broker; undecodable or invalid prompts (``producers/prompts.py``) are dead-lettered;
 * the per-prompt pipeline (``producers/pipeline.py``): ``group_size`` samples, rewards (``producers.rewards``),
-  Episodes to the ``episodes`` topic keyed by ``group_id``, a failed reward's Episode dead-lettered; or, with an
+  Episodes to the ``episodes`` topic keyed by ``group_id``, a failed reward's Episode dead-lettered (a prompt left
+  with no Episode is recorded, with the reasons, on ``unanswered`` before its offset is committed); or, with an
   environment (``env.name``), the multi-turn loop (``producers/multiturn.py``) against its replicas, found on
   NATS (``envs/routing.py``);
 * backpressure (``producers.flow.Backpressure``): no new prompt while its weights are more than

@@ -6,7 +6,8 @@ and ``producers.flow.Backpressure`` is open, and runs each through the ``PromptP
 
 * A record that does not decode (the codec's reason) or that no engine can take (reason ``invalid``,
   ``producers/prompts.py``) is dead-lettered, pipelined, and intake goes on.
-* A prompt's offset is committed only after every Episode of it was acknowledged by the broker, and only the
+* A prompt's offset is committed only after every Episode of it was acknowledged by the broker (or, when every
+  episode was dead-lettered, its ``UnansweredPrompt``: the pipeline's ``record_unanswered``), and only the
   contiguous completed prefix per partition (``producers.flow.OffsetTracker``), so a generator killed mid-prompt
   leaves the prompt to another member of the group. Before partitions are revoked what is finished is committed.
   The commits run in the background, one at a time, each covering every prompt finished before it: a prompt's
@@ -37,7 +38,9 @@ from topics.schemas import Prompt
 
 log = logging.getLogger("streamforge.generator")
 
-RunPrompt = Callable[[Prompt, list[int], Any], Awaitable[None]]
+# (prompt, its tokens, its trace context, (partition, offset) on the prompts topic or None from a local source):
+# returns once its group's Episodes, or the record of why it has none, are on the broker
+RunPrompt = Callable[[Prompt, list[int], Any, tuple[int, int] | None], Awaitable[None]]
 
 
 class Rebalance(ConsumerRebalanceListener):
@@ -256,7 +259,7 @@ class Intake:
         self._wake.set()
 
     async def _process(self, prompt: Prompt, tokens: list[int], rec: Received | None, ctx: Any) -> None:
-        await self.run_prompt(prompt, tokens, ctx)
+        await self.run_prompt(prompt, tokens, ctx, (rec.partition, rec.offset) if rec is not None else None)
         if rec is not None:
             self.offsets.done(rec.tp, rec.offset)
             self._commit_soon()

@@ -1,6 +1,6 @@
 """The generator's multi-turn loop: one GRPO group of episodes played against an environment's replicas.
 
-``MultiTurnPipeline.run(prompt, tokens, ctx)`` replaces the single-turn pipeline when ``env.name`` is set (the
+``MultiTurnPipeline.run(prompt, tokens, ctx, origin)`` replaces the single-turn pipeline when ``env.name`` is set (the
 feeder's ``env:<name>`` source). The group's ``group_size`` episodes run concurrently, each in its own sticky
 session (``envs.api.EnvRouter``), all reset with the prompt's ``metadata["seed"]`` (one deal, one problem: the
 group compares the policy's decisions). One episode:
@@ -30,7 +30,10 @@ Outcomes (``finish_reason``; each counted in ``counts`` and as ``generator/env/<
   a first observation too long for a prompt: dead-lettered (``env_step_failed``, ``env_timeout``,
   ``observation_too_long``) with the detail.
 
-A dead-lettered episode leaves its group short: the buffer drops the group as incomplete after its timeout. None
+A dead-lettered episode leaves its group short: the buffer drops the group as incomplete after its timeout. A
+group whose every episode was dead-lettered (an environment that refused every reset: ``env_step_failed``) leaves
+the prompt with no Episode: ``producers.pipeline.record_unanswered`` records it on ``unanswered`` before the offset
+is committed. Every Episode names where its prompt was read (``origin``, as in the single-turn pipeline). None
 of these stops the generator. Spans: ``generator.prompt`` > ``generator.episode`` (episode id, restarts,
 outcome) > the router's ``env.reset`` / ``env.step`` (replica, turn) and ``generator.produce``.
 """
@@ -51,6 +54,7 @@ from opentelemetry.trace import Status, StatusCode
 from envs.api import ActionRejected, EnvError, EnvRouter, EnvSession, NoReplica, ReplicaLost
 from envs.config import EnvConfig
 from producers.engine import Engine, Sampling
+from producers.pipeline import Origin, record_unanswered
 from runtime.metrics import record_metric
 from topics.kafka import DeadLetters, Producer
 from topics.names import Names
@@ -141,20 +145,24 @@ class MultiTurnPipeline:
         self.on_scored, self.on_produced = on_scored, on_produced
         self.counts: Counter[str] = Counter()
 
-    async def run(self, prompt: Prompt, tokens: list[int], ctx: Any) -> None:
-        """Play, then produce, one group; returns once every Episode is acknowledged (or dead-lettered)."""
+    async def run(self, prompt: Prompt, tokens: list[int], ctx: Any, origin: Origin | None = None) -> None:
+        """Play, then produce, one group; returns once every Episode is acknowledged (or dead-lettered, and then,
+        with none left, the prompt recorded unanswered)."""
         t_taken = time.time()
         with _tracer.start_as_current_span("generator.prompt", context=ctx, attributes={
                 "prompt_id": prompt.prompt_id, "generator_id": self.generator_id, "group_size": self.group_size,
                 "env": self.env.name}):
             results = await asyncio.gather(*(self._episode(prompt, i) for i in range(self.group_size)))
             episodes = [r for r in results if isinstance(r, Episode)]
+            if origin is not None:
+                for ep in episodes:
+                    ep.prompt_partition, ep.prompt_offset = origin
             if self.on_scored is not None:
                 self.on_scored([ep.reward for ep in episodes])
             acks = []
             for i, res in enumerate(results):
                 if isinstance(res, _Failed):
-                    await self._dead_letter(prompt, i, res)
+                    await self._dead_letter(prompt, i, res, origin)
                     continue
                 with _tracer.start_as_current_span("generator.produce", attributes={"episode_id": res.episode_id}):
                     acks.append(await self.producer.enqueue(self.names.episodes, res, key=res.group_id))
@@ -162,6 +170,10 @@ class MultiTurnPipeline:
                 await asyncio.gather(*acks)
                 if self.on_produced is not None:
                     self.on_produced(prompt.prompt_id)
+            else:  # every episode failed: say so before the offset is committed
+                await record_unanswered(self.producer, self.names, prompt, origin,
+                                        [(r.reason, r.detail) for r in results if isinstance(r, _Failed)],
+                                        generator_id=self.generator_id)
             self.stats["prompts"] += 1
             self.stats["episodes"] += len(acks)
             self.stats["tokens"] += sum(int(ep.model_mask.sum()) for ep in episodes)
@@ -287,13 +299,14 @@ class MultiTurnPipeline:
         ep.validate()
         return ep
 
-    async def _dead_letter(self, prompt: Prompt, index: int, failed: _Failed) -> None:
+    async def _dead_letter(self, prompt: Prompt, index: int, failed: _Failed, origin: Origin | None) -> None:
         """An episode that could not be played: an empty Episode naming it, dead-lettered with the reason."""
+        partition, offset = origin if origin is not None else (-1, -1)
         ep = Episode(episode_id=f"{prompt.prompt_id}/{index}", group_id=prompt.prompt_id,
                      group_size=self.group_size, prompt_id=prompt.prompt_id, task=prompt.task,
                      prompt_tokens=np.zeros(0, dtype=np.int32), response_tokens=np.zeros(0, dtype=np.int32),
                      logprobs=np.zeros(0, dtype=np.float32), token_versions=np.zeros(0, dtype=np.int32),
                      finish_reason=failed.reason, generator_id=self.generator_id, env_name=self.env.name,
-                     env_restarts=failed.restarts)
+                     env_restarts=failed.restarts, prompt_partition=partition, prompt_offset=offset)
         await self.dead.send_message(self.names.episodes, ep, reason=failed.reason, detail=failed.detail)
         self.stats["dead_lettered"] += 1

@@ -1,8 +1,9 @@
-"""``streamforge audit``: reconcile what was produced with what was batched, dropped and trained.
+"""``streamforge audit``: reconcile the prompts consumed and episodes produced with what was batched, dropped, trained.
 
-Sources: the ``episodes``, ``batches``, ``drops`` and ``dead-letter`` topics of the run (read whole, from offset
-0 to the high-water marks) and the trainer's ledger ``<run_dir>/trainer/ledger.jsonl`` (one line per optimizer
-step: ``{"step", "policy_version", "batch_ids", "time"}``).
+Sources: the ``prompts``, ``episodes``, ``batches``, ``drops``, ``unanswered`` and ``dead-letter`` topics of the run
+(read whole, from offset 0 to the high-water marks), the generators' and the buffers' committed offsets, and the
+trainer's ledger ``<run_dir>/trainer/ledger.jsonl`` (one line per optimizer step: ``{"step", "policy_version",
+"batch_ids", "time"}``).
 
 Everything is counted in distinct episode ids (delivery is at-least-once, so a record may repeat):
 
@@ -26,13 +27,39 @@ Everything is counted in distinct episode ids (delivery is at-least-once, so a r
   ``stale_batch_episodes``: distinct ids in them; ``stale_fraction``: episodes dropped as stale by the buffers
   plus those, over ``produced`` (generation no step used because it was too old);
 * ``reconciles``: ``produced == batched + sum(dropped except duplicate, malformed) + pending`` with nothing lost,
-  nothing both batched and dropped, and nothing decided that was never produced.
+  nothing both batched and dropped, nothing decided that was never produced, and no prompt lost;
+* ``episodes_lost``: the episodes lost (above); ``lost``: ``episodes_lost + prompts.lost``.
+
+The prompts (``prompts``; ``reconcile_prompts``), from the ``prompts`` topic, the generators group's committed
+offsets on it (``{prefix}.generators``), the episodes, the dead letters of prompts and the ``unanswered`` topic. A
+prompt is a record of the ``prompts`` topic, named by its partition and offset (two records may carry one
+``prompt_id``: a restarted feeder sends its source again):
+
+* ``source``: ``topic``, or ``local`` when the generators read prompts from a local source
+  (``generator.prompt_source``): nothing is consumed from the topic and nothing is committed, so every count
+  below is 0 and nothing about the prompts is checked;
+* ``records``: records on the topic; ``consumed``: those below the committed offset of their partition: the
+  generators are done with them for good; ``pending``: those at or beyond it (in flight, or not taken yet when the
+  run stopped; a restarted generator takes them again): neither consumed nor lost;
+* of the consumed, exactly one outcome each (the first that applies): ``answered``: an Episode record of it is on
+  ``episodes`` (its ``prompt_partition``/``prompt_offset``; an Episode without them, from a version-2 producer,
+  answers every prompt with its ``prompt_id``); ``dead_lettered``: a dead letter whose source is the prompts topic
+  names its partition and offset (undecodable, or no engine can take it: ``invalid``);
+  ``unanswered_by_reason``: ``{reason: prompts}`` of an ``UnansweredPrompt`` record naming it (every episode of its
+  group was dead-lettered, e.g. ``env_step_failed`` for an environment that refused every reset); ``lost``: none
+  of these: a generator committed past it without producing anything or saying why;
+* ``duplicate_ids``: consumed records whose ``prompt_id`` an earlier consumed record carries;
+* ``samples.lost``: up to 10 lost prompts as ``{"partition", "offset", "prompt_id"}`` (``prompt_id`` None when the
+  record does not decode).
+
+Records repeat (at-least-once): a prompt redone after a crash has its Episodes (or its ``UnansweredPrompt``) twice;
+it counts once.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +67,9 @@ import orjson
 
 from consumers.ledger import ALREADY_TRAINED, STALE
 from topics import codec
-from topics.admin import group_offsets, read_topic
+from topics.admin import describe_topics, group_offsets, read_topic
 from topics.errors import CodecError
-from topics.schemas import Batch, DeadLetter, DropRecord, Episode
+from topics.schemas import Batch, DeadLetter, DropRecord, Episode, Prompt, UnansweredPrompt
 
 NOT_DECISIONS = ("duplicate", "malformed")
 SAMPLE = 10
@@ -175,6 +202,85 @@ def reconcile(
     }
 
 
+def reconcile_prompts(
+    prompts: Iterable[tuple[int, int, str | None]],
+    committed: Mapping[int, int],
+    answers: Iterable[tuple[str, int, int]],
+    dead_lettered: Iterable[tuple[int, int]],
+    unanswered: Iterable[tuple[int, int, str]],
+) -> dict[str, Any]:
+    """The prompts' audit as a pure function (keys in the module docstring): ``prompts`` as ``(partition, offset,
+    prompt_id)`` per record of the topic (None = undecodable), ``committed`` the generators group's next offset
+    per partition, ``answers`` as ``(prompt_id, prompt_partition, prompt_offset)`` per Episode record (-1, -1 =
+    not known), ``dead_lettered`` the ``(partition, offset)`` of the prompts' dead letters, ``unanswered`` as
+    ``(partition, offset, reason)`` per ``UnansweredPrompt`` record."""
+    records = 0
+    consumed: dict[tuple[int, int], str | None] = {}
+    pending = 0
+    for partition, offset, prompt_id in prompts:
+        records += 1
+        if offset < committed.get(partition, 0):
+            consumed[(partition, offset)] = prompt_id
+        else:
+            pending += 1
+    answered_at: set[tuple[int, int]] = set()
+    answered_ids: set[str] = set()
+    for prompt_id, partition, offset in answers:
+        if partition >= 0 and offset >= 0:
+            answered_at.add((partition, offset))
+        else:
+            answered_ids.add(prompt_id)
+    dead = set(dead_lettered)
+    reason_at: dict[tuple[int, int], str] = {}
+    for partition, offset, reason in unanswered:
+        reason_at.setdefault((partition, offset), reason or "unstated")
+    answered = dead_count = 0
+    by_reason: Counter[str] = Counter()
+    lost: list[tuple[int, int]] = []
+    seen_ids: set[str] = set()
+    duplicate_ids = 0
+    for at, prompt_id in sorted(consumed.items()):
+        if prompt_id is not None:
+            duplicate_ids += prompt_id in seen_ids
+            seen_ids.add(prompt_id)
+        if at in answered_at or (prompt_id is not None and prompt_id in answered_ids):
+            answered += 1
+        elif at in dead:
+            dead_count += 1
+        elif at in reason_at:
+            by_reason[reason_at[at]] += 1
+        else:
+            lost.append(at)
+    return {
+        "source": "topic",
+        "records": records,
+        "consumed": len(consumed),
+        "answered": answered,
+        "dead_lettered": dead_count,
+        "unanswered_by_reason": dict(sorted(by_reason.items())),
+        "lost": len(lost),
+        "pending": pending,
+        "duplicate_ids": duplicate_ids,
+        "samples": {"lost": [{"partition": p, "offset": o, "prompt_id": consumed[(p, o)]} for p, o in lost[:SAMPLE]]},
+    }
+
+
+def local_prompts() -> dict[str, Any]:
+    """The prompts' block of a run whose generators read a local source: nothing consumed, nothing checked."""
+    return {"source": "local", "records": 0, "consumed": 0, "answered": 0, "dead_lettered": 0,
+            "unanswered_by_reason": {}, "lost": 0, "pending": 0, "duplicate_ids": 0, "samples": {"lost": []}}
+
+
+def with_prompts(result: dict[str, Any], prompts: dict[str, Any]) -> dict[str, Any]:
+    """The episodes' audit (``reconcile``) with the prompts' block: ``lost`` counts both, a lost prompt breaks
+    ``reconciles``."""
+    result["prompts"] = prompts
+    result["episodes_lost"] = result["lost"]
+    result["lost"] = result["lost"] + prompts["lost"]
+    result["reconciles"] = bool(result["reconciles"] and not prompts["lost"])
+    return result
+
+
 def _batch_id_in(detail: str) -> str:
     """The batch id a trainer's dead-letter detail starts with (``"batch <id>: ..."``), or ''."""
     head, _, _ = detail.partition(":")
@@ -218,4 +324,23 @@ async def run_audit(config: Any) -> dict[str, Any]:
     )
     result["undecodable_outputs"] = sum(1 for r in (*batches, *drops) if r.value is None)
     result["prefix"] = names.prefix
-    return result
+    return with_prompts(result, await _audit_prompts(config, episodes, dead))
+
+
+async def _audit_prompts(config: Any, episodes: list[Any], dead: list[Any]) -> dict[str, Any]:
+    """Read the prompts topic, the generators group's offsets on it and the unanswered prompts; reconcile them."""
+    names, kafka = config.names, config.kafka
+    if config.generator.prompt_source == "local":
+        return local_prompts()
+    prompts = await read_topic(kafka, names.prompts, expect=Prompt)
+    committed = await group_offsets(kafka, names.generators_group, names.prompts)
+    unanswered: list[Any] = []
+    if (await describe_topics(kafka, [names.unanswered])).get(names.unanswered, {}).get("partitions"):  # old logs lack it
+        unanswered = await read_topic(kafka, names.unanswered, expect=UnansweredPrompt)
+    return reconcile_prompts(
+        ((r.partition, r.offset, r.value.prompt_id if r.value is not None else None) for r in prompts),
+        committed,
+        ((r.value.prompt_id, r.value.prompt_partition, r.value.prompt_offset) for r in episodes if r.value is not None),
+        ((r.value.partition, r.value.offset) for r in dead if r.value is not None and r.value.source == names.prompts),
+        ((r.value.partition, r.value.offset, r.value.reason) for r in unanswered if r.value is not None),
+    )

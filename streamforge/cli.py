@@ -275,7 +275,8 @@ RUN_DIR = click.option("--run-dir", type=click.Path(path_type=Path, exists=True,
 @RUN_DIR
 @click.pass_context
 def audit(ctx: click.Context, config_path: str | None, run_dir: Path | None) -> None:
-    """Reconcile produced, batched, trained and dropped episodes; writes <run_dir>/audit.json."""
+    """Reconcile produced, batched, trained and dropped episodes, and the prompts the generators consumed; writes
+    <run_dir>/audit.json and exits 1 when an episode or a prompt was lost or an episode trained twice."""
     try:
         from streamforge.audit import run_audit
     except ImportError as exc:

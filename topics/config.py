@@ -83,7 +83,7 @@ class NatsConfig:
             raise ConfigError("nats.connect_timeout_s", "must be positive")
 
 
-TOPIC_SUFFIXES = ("prompts", "episodes", "batches", "sft", "drops", "dead-letter")
+TOPIC_SUFFIXES = ("prompts", "episodes", "batches", "sft", "drops", "unanswered", "dead-letter")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -95,9 +95,10 @@ class TopicsConfig:
     batches_partitions: int = 1
     sft_partitions: int = 1
     drops_partitions: int = 1
+    unanswered_partitions: int = 1
     dead_letter_partitions: int = 1
     replication_factor: int = 1
-    # per topic (prompts, episodes, batches, sft, drops, dead-letter): Kafka's retention.ms of the topic when it is
+    # per topic (prompts, episodes, batches, sft, drops, unanswered, dead-letter): Kafka's retention.ms of the topic when it is
     # created, -1 = forever; a topic not named keeps the broker's default (7 days on Apache Kafka)
     retention_ms: dict[str, int] = field(default_factory=dict)
     # per topic, likewise: retention.bytes (per partition on Apache Kafka), -1 = no size limit
@@ -105,7 +106,7 @@ class TopicsConfig:
 
     def __post_init__(self) -> None:
         for name in ("prompts_partitions", "episodes_partitions", "batches_partitions", "sft_partitions",
-                     "drops_partitions", "dead_letter_partitions", "replication_factor"):
+                     "drops_partitions", "unanswered_partitions", "dead_letter_partitions", "replication_factor"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"topics.{name}", "must be at least 1")
         for name in ("retention_ms", "retention_bytes"):
@@ -127,4 +128,4 @@ class TopicsConfig:
     def partitions(self, suffix: str) -> int:
         return {"prompts": self.prompts_partitions, "episodes": self.episodes_partitions,
                 "batches": self.batches_partitions, "sft": self.sft_partitions, "drops": self.drops_partitions,
-                "dead-letter": self.dead_letter_partitions}[suffix]
+                "unanswered": self.unanswered_partitions, "dead-letter": self.dead_letter_partitions}[suffix]

@@ -41,7 +41,7 @@ class Channel:
 
 
 CATALOG: tuple[Channel, ...] = (
-    Channel("kafka", "prompts", "feeder", "generator (group `{prefix}.generators`)", "prompt_id",
+    Channel("kafka", "prompts", "feeder", "generator (group `{prefix}.generators`), audit", "prompt_id",
             "Prompt", "topics.prompts_partitions"),
     Channel("kafka", "episodes", "generator", "buffer (group `{prefix}.buffers`), audit", "group_id",
             "Episode", "topics.episodes_partitions"),
@@ -51,6 +51,8 @@ CATALOG: tuple[Channel, ...] = (
             "SFTExample", "topics.sft_partitions"),
     Channel("kafka", "drops", "buffer", "audit, generator (quota refunds)", "group_id", "DropRecord",
             "topics.drops_partitions"),
+    Channel("kafka", "unanswered", "generator (a prompt whose every episode was dead-lettered, before its offset "
+            "is committed)", "audit", "prompt_id", "UnansweredPrompt", "topics.unanswered_partitions"),
     Channel("kafka", "dead-letter", "every role", "audit, `streamforge tail`", "source topic",
             "DeadLetter", "topics.dead_letter_partitions"),
     Channel("nats", "policy.version", "trainer", "none (roles watch the KV bucket's `latest`; for observers outside "
@@ -127,6 +129,11 @@ class Names:
         return f"{self.prefix}.drops"
 
     @property
+    def unanswered(self) -> str:
+        """Prompts a generator answered with no Episode, and why (``UnansweredPrompt``)."""
+        return f"{self.prefix}.unanswered"
+
+    @property
     def dead_letter(self) -> str:
         return f"{self.prefix}.dead-letter"
 
@@ -173,7 +180,7 @@ class Names:
     PROGRESS_KEY = "progress"
 
     def topics(self) -> list[str]:
-        return [self.prompts, self.episodes, self.batches, self.sft, self.drops, self.dead_letter]
+        return [self.prompts, self.episodes, self.batches, self.sft, self.drops, self.unanswered, self.dead_letter]
 
     def consumer_groups(self) -> dict[str, str]:
         """Each topic read through a consumer group, and that group (whose uncommitted records are the lag)."""

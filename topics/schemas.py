@@ -73,11 +73,15 @@ class Episode:
     reward after each turn and ``final_reward`` its last one; ``env_restarts`` how often the episode restarted
     from ``reset()`` after losing its replica; ``tool_calls`` the tool calls the model made. A single-turn episode
     (and a version-1 record) has empty ``token_mask``/``turn_ids``: every response token is the model's, turn 0.
+
+    Version 3 adds ``prompt_partition`` and ``prompt_offset``: where the generator read the prompt on the
+    ``prompts`` topic (-1 for a prompt from a local source, and in older records), so the audit tells apart two
+    prompts that carry the same ``prompt_id`` (``streamforge/audit.py``).
     """
 
     SCHEMA: ClassVar[str] = "episode"
-    VERSION: ClassVar[int] = 2
-    OLDER_VERSIONS: ClassVar[tuple[int, ...]] = (1,)  # decoded into this class, the fields they lack defaulted
+    VERSION: ClassVar[int] = 3
+    OLDER_VERSIONS: ClassVar[tuple[int, ...]] = (1, 2)  # decoded into this class, the fields they lack defaulted
 
     episode_id: str
     group_id: str
@@ -106,6 +110,9 @@ class Episode:
     final_reward: float = 0.0
     env_restarts: int = 0
     tool_calls: int = 0
+    # version 3: the prompt's place on the prompts topic, -1 when it did not come from there
+    prompt_partition: int = -1
+    prompt_offset: int = -1
 
     def validate(self) -> None:
         n = len(self.response_tokens)
@@ -338,6 +345,27 @@ class DropRecord:
 
 
 @dataclass(kw_only=True, slots=True)
+class UnansweredPrompt:
+    """A generator's durable record that a prompt it took from the ``prompts`` topic produced no Episode, and why:
+    every episode of its group was dead-lettered (``episode_reasons``: ``{reason: episodes}``, e.g. an environment
+    that refused every reset: ``{"env_step_failed": 4}``); ``reason`` is their one reason, or ``mixed``. Written
+    and acknowledged before the prompt's offset is committed; ``partition``/``offset`` name the prompt on the
+    ``prompts`` topic (the audit's ``prompts.unanswered_by_reason``, ``streamforge/audit.py``)."""
+
+    SCHEMA: ClassVar[str] = "unanswered_prompt"
+    VERSION: ClassVar[int] = 1
+
+    prompt_id: str
+    partition: int
+    offset: int
+    reason: str
+    detail: str = ""
+    episode_reasons: dict[str, Any] = field(default_factory=dict)
+    generator_id: str = ""
+    created_at: float = field(default_factory=_now)
+
+
+@dataclass(kw_only=True, slots=True)
 class DeadLetter:
     """Whatever could not be handled: the raw bytes, where they came from and why."""
 
@@ -448,7 +476,7 @@ class RewardReply:
 
 ALL_SCHEMAS: tuple[type, ...] = (
     Prompt, Episode, Batch, PolicyVersion, TrainerProgress, VersionAck, Membership, SFTExample, DropRecord,
-    DeadLetter, ServiceBeat, ServiceFault, RewardRequest, RewardReply,
+    UnansweredPrompt, DeadLetter, ServiceBeat, ServiceFault, RewardRequest, RewardReply,
 )
 
 

@@ -1,4 +1,5 @@
-"""``streamforge audit`` over real topics and a trainer ledger: the JSON it writes and its exit code."""
+"""``streamforge audit`` over real topics and a trainer ledger: the JSON it writes and its exit code (1 for an
+episode trained twice, or a prompt lost)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 
 from buffer.policies import ScoredGroup, batch_id_of, build_batch, group_advantages
 from buffer.synthetic import make_group
+from helpers.audits import assert_nothing_lost
 from streamforge.config import dump_config
-from topics.kafka import Producer
-from topics.schemas import DropRecord
+from topics.kafka import Consumer, Producer, TopicPartition
+from topics.schemas import DropRecord, Prompt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,7 +70,54 @@ async def test_audit_cli_reconciles_and_fails_on_double_training(run_config, tmp
     assert audit["batched"] == 8 and audit["dropped"]["zero_variance"] == 4 and audit["dropped"]["duplicate"] == 1
     assert audit["lost"] == 0 and audit["reconciles"] and audit["in_two_batches"] == 2
     assert audit["trained"] == 4 and audit["trained_twice"] == 0
+    assert_nothing_lost(audit, prompts="none")  # episodes fed straight to the topic: no prompt to account for
 
     write_ledger(cfg, [[b1.batch_id], [b2.batch_id]])  # trained both: a/0 and a/1 twice
     code, audit = await run_cli(cfg, tmp_path)
     assert code == 1 and audit["trained_twice"] == 2 and audit["samples"]["trained_twice"] == ["a/0", "a/1"]
+
+
+async def test_audit_cli_fails_on_a_prompt_committed_without_an_answer(run_config, tmp_path):
+    """Two prompts committed by the generators group, one answered by an Episode naming its place: the other is
+    lost, the CLI exits 1 and names it. A third prompt beyond the committed offset is pending, not lost."""
+    cfg = run_config
+    async with Producer(cfg.kafka) as producer:
+        metas = [await producer.send(cfg.names.prompts, Prompt(prompt_id=pid, task="t", text="x"), key="one",
+                                     partition=0) for pid in ("answered", "silent", "later")]
+        [episode] = make_group("answered", 1)
+        episode.prompt_partition, episode.prompt_offset = metas[0].partition, metas[0].offset
+        await producer.send(cfg.names.episodes, episode, key=episode.group_id)
+    tp = TopicPartition(cfg.names.prompts, 0)
+    committer = Consumer(cfg.kafka, [], group_id=cfg.names.generators_group, partitions=[tp])  # commits as a generator
+    await committer.start()
+    try:
+        await committer.commit({tp: metas[1].offset + 1})
+    finally:
+        await committer.stop()
+
+    code, audit = await run_cli(cfg, tmp_path)
+    assert code == 1 and audit["lost"] == 1 and audit["episodes_lost"] == 0 and not audit["reconciles"]
+    prompts = audit["prompts"]
+    assert prompts["consumed"] == 2 and prompts["answered"] == 1 and prompts["pending"] == 1
+    assert prompts["samples"]["lost"] == [{"partition": 0, "offset": metas[1].offset, "prompt_id": "silent"}]
+
+
+async def test_a_log_without_the_unanswered_topic_is_audited(run_config):
+    """A run recorded before the ``unanswered`` topic existed (reopened with ``--run-dir``): no reasons, no error."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from streamforge.audit import run_audit
+    from topics.kafka import client_kwargs
+
+    cfg = run_config
+    admin = AIOKafkaAdminClient(**client_kwargs(cfg.kafka, client_id="test-admin"))
+    await admin.start()
+    try:
+        await admin.delete_topics([cfg.names.unanswered])
+    finally:
+        await admin.close()
+    async with Producer(cfg.kafka) as producer:
+        await producer.send(cfg.names.prompts, Prompt(prompt_id="only", task="t", text="x"), key="only")
+    audit = await run_audit(cfg)
+    assert audit["prompts"]["records"] == 1 and audit["prompts"]["pending"] == 1  # nothing committed: pending
+    assert audit["prompts"]["unanswered_by_reason"] == {} and audit["lost"] == 0 and audit["reconciles"]

@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 import pytest
 
+from helpers.audits import assert_nothing_lost
 from streamforge.brokers import serving
 from streamforge.provenance import episode_provenance, version_provenance
 from streamforge.replay import BatchesGone, replay
@@ -178,12 +179,13 @@ async def test_provenance_of_an_episode_names_its_step_or_its_drop(reopened) -> 
 @pytest.mark.timeout(300)
 async def test_audit_and_nats_reopen_and_the_demo_keeps_its_topics(reopened) -> None:
     config = reopened
-    for suffix in ("prompts", "episodes", "batches", "drops", "dead-letter"):  # configs/demo.yaml keeps them all
+    for suffix in ("prompts", "episodes", "batches", "drops", "unanswered", "dead-letter"):  # demo.yaml keeps all
         assert (await topic_configs(config.kafka, f"{config.names.prefix}.{suffix}"))["retention.ms"] == "-1"
     proc = _cli("audit", "--run-dir", str(config.run_dir))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     audit = orjson.loads((config.run_dir / "audit.json").read_bytes())
-    assert audit["reconciles"] and audit["trained"] == sum(len(r["episode_ids"]) for r in
+    assert_nothing_lost(audit)  # also from the log reopened: the prompts topic and the generators' offsets came back
+    assert audit["trained"] == sum(len(r["episode_ids"]) for r in
                                                            _jsonl(config.run_dir / "trainer" / "ledger.jsonl"))
     from topics.nats import PolicyStore, connect
 

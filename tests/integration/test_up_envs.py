@@ -28,6 +28,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from helpers.audits import assert_nothing_lost
 from streamforge.plots import read_metrics
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -84,7 +85,7 @@ def check_run(run_dir: Path, rc: int, out: str) -> list[dict]:
     for key in ENV_KEYS:
         assert all(key in r for r in rows), key
     audit = orjson.loads((run_dir / "audit.json").read_bytes())
-    assert audit["reconciles"] and audit["lost"] == 0 and audit["trained_twice"] == 0, audit
+    assert_nothing_lost(audit)
     assert audit["in_two_batches"] == 0 and audit["produced"] >= audit["trained"] > 0, audit
     assert audit["trained_steps"] == len(rows), (audit["trained_steps"], len(rows))
     return rows

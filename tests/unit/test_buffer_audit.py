@@ -1,8 +1,9 @@
-"""The audit's reconciliation as a pure function, and the ledger reader (no broker)."""
+"""The audit's reconciliation as a pure function (the episodes' and the prompts'), and the ledger reader (no
+broker)."""
 
 from __future__ import annotations
 
-from streamforge.audit import read_ledger, reconcile
+from streamforge.audit import local_prompts, read_ledger, reconcile, reconcile_prompts, with_prompts
 
 
 def ledger(*steps):
@@ -87,3 +88,67 @@ def test_trained_episodes_window_and_rebuild_from_ledger(tmp_path):
     old = TrainedEpisodes(window=5)
     old.load([{"step": 1, "batch_ids": ["B1"]}])  # a ledger line written before episode ids were recorded
     assert len(old) == 0
+
+
+# -- the prompts (reconcile_prompts) ----------------------------------------------------------------------------
+
+
+def test_every_consumed_prompt_has_one_outcome_and_a_silent_commit_is_lost():
+    """Partition 0: p0 answered, p1 dead-lettered (invalid), p2 unanswered (its env refused every reset), p3
+    committed past without a word; partition 1: q0 answered, q1 beyond the committed offset (pending)."""
+    prompts = [(0, 0, "p0"), (0, 1, "p1"), (0, 2, "p2"), (0, 3, "p3"), (1, 0, "q0"), (1, 1, "q1")]
+    out = reconcile_prompts(prompts, {0: 4, 1: 1}, [("p0", 0, 0), ("p0", 0, 0), ("q0", 1, 0), ("q1", 1, 1)],
+                            [(0, 1)], [(0, 2, "env_step_failed")])
+    assert out["records"] == 6 and out["consumed"] == 5 and out["pending"] == 1
+    assert out["answered"] == 2 and out["dead_lettered"] == 1
+    assert out["unanswered_by_reason"] == {"env_step_failed": 1}
+    assert out["lost"] == 1 and out["samples"]["lost"] == [{"partition": 0, "offset": 3, "prompt_id": "p3"}]
+    assert out["source"] == "topic"
+
+
+def test_a_repeated_prompt_id_is_answered_per_place_not_per_id():
+    """A restarted feeder sends p0 again at offset 2: an Episode answering offset 0 does not answer offset 2."""
+    prompts = [(0, 0, "p0"), (0, 1, "p1"), (0, 2, "p0")]
+    out = reconcile_prompts(prompts, {0: 3}, [("p0", 0, 0), ("p1", 0, 1)], [], [])
+    assert out["duplicate_ids"] == 1 and out["answered"] == 2 and out["lost"] == 1
+    assert out["samples"]["lost"] == [{"partition": 0, "offset": 2, "prompt_id": "p0"}]
+    out = reconcile_prompts(prompts, {0: 3}, [("p0", 0, 0), ("p1", 0, 1), ("p0", 0, 2)], [], [])
+    assert out["answered"] == 3 and out["lost"] == 0
+
+
+def test_redelivered_outcomes_count_once_and_an_answer_wins_over_an_earlier_reason():
+    """At-least-once: a generator wrote p0's UnansweredPrompt and died before committing; another redid p0 and
+    produced its group: answered, once. Duplicate dead letters and duplicate UnansweredPrompts count once."""
+    prompts = [(0, 0, "p0"), (0, 1, "p1"), (0, 2, "p2")]
+    out = reconcile_prompts(prompts, {0: 3}, [("p0", 0, 0), ("p0", 0, 0)], [(0, 1), (0, 1)],
+                            [(0, 0, "env_timeout"), (0, 2, "reward_error"), (0, 2, "reward_error")])
+    assert out["answered"] == 1 and out["dead_lettered"] == 1 and out["unanswered_by_reason"] == {"reward_error": 1}
+    assert out["lost"] == 0 and out["consumed"] == 3
+
+
+def test_episodes_without_the_prompts_place_answer_by_prompt_id_and_undecodable_prompts_by_their_dead_letter():
+    """A version-2 Episode (no prompt_partition/offset) answers every prompt with its id; an undecodable record
+    (prompt_id None) is accounted by the dead letter at its place, or lost without one."""
+    prompts = [(0, 0, "p0"), (0, 1, None), (0, 2, None), (1, 0, "p0")]
+    out = reconcile_prompts(prompts, {0: 3, 1: 1}, [("p0", -1, -1)], [(0, 1)], [])
+    assert out["answered"] == 2 and out["dead_lettered"] == 1 and out["lost"] == 1
+    assert out["samples"]["lost"] == [{"partition": 0, "offset": 2, "prompt_id": None}]
+
+
+def test_nothing_committed_means_nothing_consumed_every_prompt_pending():
+    out = reconcile_prompts([(0, 0, "p0"), (1, 0, "p1")], {}, [], [], [])
+    assert out["consumed"] == 0 and out["pending"] == 2 and out["lost"] == 0 and out["samples"]["lost"] == []
+    out = reconcile_prompts([], {}, [("p0", -1, -1)], [], [])  # episodes fed straight to the topic, no prompts
+    assert out["records"] == 0 and out["consumed"] == 0 and out["answered"] == 0 and out["lost"] == 0
+
+
+def test_lost_prompts_count_in_the_top_level_lost_and_break_reconciles():
+    episodes = reconcile(["a/0", "a/1"], [("B1", ["a/0", "a/1"])], [])
+    assert episodes["lost"] == 0 and episodes["reconciles"]
+    lost = reconcile_prompts([(0, 0, "a"), (0, 1, "b")], {0: 2}, [("a", 0, 0)], [], [])
+    out = with_prompts(dict(episodes), lost)
+    assert out["lost"] == 1 and out["episodes_lost"] == 0 and out["prompts"]["lost"] == 1 and not out["reconciles"]
+    out = with_prompts(reconcile(["a/0"], [], []), reconcile_prompts([(0, 0, "a")], {0: 1}, [("a", 0, 0)], [], []))
+    assert out["lost"] == 1 and out["episodes_lost"] == 1 and out["prompts"]["lost"] == 0 and not out["reconciles"]
+    out = with_prompts(dict(episodes), local_prompts())
+    assert out["prompts"]["source"] == "local" and out["prompts"]["consumed"] == 0 and out["reconciles"]

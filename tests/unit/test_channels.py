@@ -29,7 +29,7 @@ KAFKA_READERS = {"Consumer", "RecordSource", "read_topic", "DropRefunds"}  # Gro
 SUBJECT_ATTRS = {"policy_subject": "policy.version", "membership_subject": "generators.membership",
                  "ack_subject": "generators.ack"}
 TOPIC_ATTRS = {"prompts": "prompts", "episodes": "episodes", "batches": "batches", "sft": "sft", "drops": "drops",
-               "dead_letter": "dead-letter"}
+               "unanswered": "unanswered", "dead_letter": "dead-letter"}
 
 
 def _name(func: ast.expr) -> str:

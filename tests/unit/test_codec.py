@@ -140,7 +140,7 @@ def test_plain_msgpack_reader_can_read_an_episode() -> None:
     """The documented layout: a map with schema/v and tensors as {dtype, shape, data} little-endian bytes."""
     ep = _episode()
     obj = msgpack.unpackb(codec.encode(ep), raw=False)
-    assert obj["schema"] == "episode" and obj["v"] == 2
+    assert obj["schema"] == "episode" and obj["v"] == 3
     assert obj["episode_id"] == "g/0" and obj["reward"] == 1.0
     t = obj["logprobs"]
     assert t["dtype"] == "float32" and t["shape"] == [3]
@@ -153,10 +153,20 @@ def test_a_version_1_episode_decodes_as_a_single_turn_episode() -> None:
     obj = msgpack.unpackb(codec.encode(_episode()), raw=False)
     obj["v"] = 1
     for name in ("token_mask", "turn_ids", "env_name", "env_replica", "turn_rewards", "final_reward",
-                 "env_restarts", "tool_calls"):
+                 "env_restarts", "tool_calls", "prompt_partition", "prompt_offset"):
         del obj[name]
     ep = codec.decode(msgpack.packb(obj, use_bin_type=True))
     assert ep.model_mask.tolist() == [1, 1, 1] and ep.turns == 1 and ep.env_name == "" and ep.min_version == 3
+
+
+def test_a_version_2_episode_decodes_without_its_prompts_place() -> None:
+    """A record written before ``prompt_partition``/``prompt_offset``: both -1 (the audit matches it by prompt id)."""
+    obj = msgpack.unpackb(codec.encode(_episode(prompt_partition=2, prompt_offset=7)), raw=False)
+    assert (obj["prompt_partition"], obj["prompt_offset"]) == (2, 7)
+    obj["v"] = 2
+    del obj["prompt_partition"], obj["prompt_offset"]
+    ep = codec.decode(msgpack.packb(obj, use_bin_type=True))
+    assert (ep.prompt_partition, ep.prompt_offset) == (-1, -1) and ep.episode_id == "g/0"
     assert ep.logprobs.tolist() == pytest.approx([-0.1, -0.2, -0.3])
 
 

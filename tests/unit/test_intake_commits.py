@@ -57,7 +57,7 @@ def _record(i: int) -> Received:
 async def test_slots_free_before_their_commit_and_commits_coalesce():
     ran: list[str] = []
 
-    async def run_prompt(prompt, tokens, ctx) -> None:
+    async def run_prompt(prompt, tokens, ctx, origin) -> None:
         ran.append(prompt.prompt_id)
 
     cfg = GeneratorConfig(max_concurrent_prompts=1, poll_timeout_ms=20)
@@ -88,7 +88,7 @@ async def test_slots_free_before_their_commit_and_commits_coalesce():
 
 @pytest.mark.timeout(30)
 async def test_a_failed_commit_fails_intake():
-    async def run_prompt(prompt, tokens, ctx) -> None:
+    async def run_prompt(prompt, tokens, ctx, origin) -> None:
         pass
 
     class Broken(HeldConsumer):
@@ -111,7 +111,7 @@ async def test_the_engine_adopting_a_version_opens_backpressure_at_once():
     ran: list[str] = []
     version = [0]
 
-    async def run_prompt(prompt, tokens, ctx) -> None:
+    async def run_prompt(prompt, tokens, ctx, origin) -> None:
         ran.append(prompt.prompt_id)
 
     cfg = GeneratorConfig(max_concurrent_prompts=2, poll_timeout_ms=10_000)

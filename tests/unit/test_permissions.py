@@ -55,7 +55,7 @@ def reads(channel: str, role: str) -> tuple[list[str], list[str]]:
 def test_every_channel_a_role_uses_is_allowed_and_no_other_is() -> None:
     consumers, producers = code_channels()
     perms = permissions(NAMES, SCOPE)
-    kafka = {"prompts", "episodes", "batches", "sft", "drops", "dead-letter"}
+    kafka = {"prompts", "episodes", "batches", "sft", "drops", "unanswered", "dead-letter"}
     channels = (set(consumers) | set(producers)) - kafka
     assert channels == NATS_CHANNELS, "a NATS channel this test does not know: say what it takes"
     for role in ROLES:
