@@ -290,6 +290,10 @@ def _batch_id_in(detail: str) -> str:
 async def run_audit(config: Any) -> dict[str, Any]:
     """Read the run's topics and ledger and reconcile them (see the module docstring for every key)."""
     names, kafka = config.names, config.kafka
+    # the generators' prompt offsets first: a generator commits a prompt only once its group (or its reason) is
+    # acknowledged, so every prompt below this snapshot has its records in the topics read after it; read later, a
+    # live run's newer commits would count prompts whose episodes were read before they were produced as lost
+    prompts_committed = await group_offsets(kafka, names.generators_group, names.prompts)
     episodes = await read_topic(kafka, names.episodes, expect=Episode)
     committed = await group_offsets(kafka, names.buffers_group, names.episodes)
     below: set[str] = set()  # ids with a record below the committed offset: consumed for good
@@ -324,16 +328,17 @@ async def run_audit(config: Any) -> dict[str, Any]:
     )
     result["undecodable_outputs"] = sum(1 for r in (*batches, *drops) if r.value is None)
     result["prefix"] = names.prefix
-    return with_prompts(result, await _audit_prompts(config, episodes, dead))
+    return with_prompts(result, await _audit_prompts(config, episodes, dead, prompts_committed))
 
 
-async def _audit_prompts(config: Any, episodes: list[Any], dead: list[Any]) -> dict[str, Any]:
-    """Read the prompts topic, the generators group's offsets on it and the unanswered prompts; reconcile them."""
+async def _audit_prompts(config: Any, episodes: list[Any], dead: list[Any],
+                         committed: dict[int, int]) -> dict[str, Any]:
+    """Read the prompts topic and the unanswered prompts; reconcile them against the generators group's offsets
+    ``committed`` (taken before ``episodes`` and ``dead`` were read)."""
     names, kafka = config.names, config.kafka
     if config.generator.prompt_source == "local":
         return local_prompts()
     prompts = await read_topic(kafka, names.prompts, expect=Prompt)
-    committed = await group_offsets(kafka, names.generators_group, names.prompts)
     unanswered: list[Any] = []
     if (await describe_topics(kafka, [names.unanswered])).get(names.unanswered, {}).get("partitions"):  # old logs lack it
         unanswered = await read_topic(kafka, names.unanswered, expect=UnansweredPrompt)
